@@ -1,0 +1,7 @@
+"""concur: run the independent operations of branchy PyTorch networks concurrently on CUDA streams."""
+
+from .api import ConcurModule, Inspection, inspect, optimize
+from .errors import CaptureError, ConcurError, PlanError
+
+__all__ = ["optimize", "inspect", "ConcurModule", "Inspection", "ConcurError", "CaptureError", "PlanError"]
+__version__ = "0.1.0"

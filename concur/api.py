@@ -1,0 +1,160 @@
+"""The public entry points: ``optimize`` (a drop-in concurrent module) and ``inspect``."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import schedulers
+
+from .capture import LeafSpec
+from .cost import CostModel
+from .errors import CaptureError
+from .plan import Plan, analyse, build_plan
+
+FALLBACKS = ("error", "eager")
+
+
+class ConcurModule(nn.Module):
+    """A model whose forward runs a concurrent plan; everything else is the original model.
+
+    It shares the original model's submodule, parameter and buffer
+    dictionaries (the same dict objects), so parameters are the same
+    ``Parameter`` objects (an optimizer built on the original keeps working),
+    ``state_dict`` keys are unchanged, and ``.to()``, ``.train()`` and
+    ``load_state_dict`` act on one set of tensors seen by both.
+
+    fx bakes Python-level branches on ``self.training`` into the trace (e.g.
+    GoogLeNet's auxiliary heads), so one plan is kept per combination of the
+    modules' training flags, built the first time that combination runs.
+    """
+
+    def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
+                 cost_model: CostModel | None, leaf_modules: LeafSpec):
+        super().__init__()
+        for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+            object.__setattr__(self, name, getattr(model, name))
+        object.__setattr__(self, "original", model)
+        self.training = model.training
+        self._options = dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
+                             leaf_modules=tuple(leaf_modules))
+        self._plans: dict[tuple[bool, ...], Plan] = {}
+        self._plan_for(example_inputs)
+
+    def _plan_for(self, inputs: tuple) -> Plan:
+        key = tuple(m.training for m in self.modules())
+        plan = self._plans.get(key)
+        if plan is None:
+            self.original.training = self.training  # the root's own flag is read by its forward
+            plan = build_plan(self.original, inputs, **self._options)
+            for node in plan.traced.graph.nodes:  # fx-made constants live on the traced root
+                if node.op == "get_attr":
+                    atom = str(node.target).split(".")[0]
+                    if not hasattr(self, atom):
+                        object.__setattr__(self, atom, getattr(plan.traced, atom))
+            self._plans[key] = plan
+        return plan
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the current train/eval mode (built on first use of that mode)."""
+        key = tuple(m.training for m in self.modules())
+        if key not in self._plans:
+            raise RuntimeError("no plan for this train/eval mode yet: call the module once first")
+        return self._plans[key]
+
+    @property
+    def schedule(self) -> schedulers.Schedule:
+        """The schedule of the current mode: stream per node, issue order, waits."""
+        return self.plan.schedule
+
+    def forward(self, *inputs: Any) -> Any:
+        plan = self._plan_for(inputs)
+        object.__setattr__(self, plan.runtime_attr, plan.runtime)
+        try:
+            return plan.forward(self, *inputs)
+        except BaseException:
+            plan.runtime.abort()
+            raise
+
+
+def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"concur.optimize expects an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
+                        f"e.g. (torch.randn(8, 3, 224, 224),); got {type(example_inputs).__name__}")
+    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
+        raise ValueError(f"streams must be an int from 1 to 64, got {streams!r}")
+    return tuple(example_inputs)
+
+
+def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
+             scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
+             leaf_modules: LeafSpec = (), fallback: str = "error") -> nn.Module:
+    """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
+
+    Outputs, gradients and buffer updates equal the original model's. On CPU
+    the same plan runs in its issue order. ``fallback="eager"`` returns
+    ``model`` itself, with a warning, when it cannot be traced.
+    """
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    example_inputs = _check_inputs(model, example_inputs, streams)
+    if scheduler not in schedulers.SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
+    try:
+        return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules)
+    except CaptureError as exc:
+        if fallback == "eager":
+            warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",
+                          stacklevel=2)
+            return model
+        raise
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What concur sees in a model: size of the DAG, its width, and predicted speedups."""
+
+    model: str
+    num_ops: int
+    num_kernels: int
+    width: int
+    serial_us: float
+    critical_path_us: float
+    predicted_speedup: dict[int, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        rows = [f"model              {self.model}",
+                f"operations         {self.num_ops} ({self.num_kernels} launch kernels)",
+                f"DAG width          {self.width} (most ops in one topological generation)",
+                f"serial time        {self.serial_us:,.1f} us (predicted, sum of op costs)",
+                f"critical path      {self.critical_path_us:,.1f} us "
+                f"(bound: {self.serial_us / max(self.critical_path_us, 1e-9):.2f}x)",
+                "streams  predicted speedup"]
+        rows += [f"{k:>7}  {v:.2f}x" for k, v in self.predicted_speedup.items()]
+        return "\n".join(rows)
+
+
+def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critical_path",
+            max_streams: int = 8, cost_model: CostModel | None = None,
+            leaf_modules: LeafSpec = ()) -> Inspection:
+    """Return the op count, DAG width, critical path and predicted speedup for 1..max_streams."""
+    example_inputs = _check_inputs(model, example_inputs, 1)
+    _, dag = analyse(model, example_inputs, cost_model, leaf_modules)
+    return Inspection(
+        model=type(model).__name__,
+        num_ops=dag.number_of_nodes(),
+        num_kernels=sum(1 for _, d in dag.nodes(data=True) if d["facts"].launches_kernel),
+        width=schedulers.width(dag),
+        serial_us=sum(d["cost"] for _, d in dag.nodes(data=True)),
+        critical_path_us=schedulers.critical_path_length(dag),
+        predicted_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler),
+    )

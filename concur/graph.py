@@ -1,0 +1,90 @@
+"""Build the dependency DAG of a traced, annotated graph: data edges plus mutation hazards.
+
+Nodes of the DAG are the names of the fx operation nodes (placeholders,
+attribute reads and the output are free and are never scheduled). An edge
+``u -> v`` means v may not start before u finishes. Data edges come from fx;
+hazard edges come from the storages each op reads and writes
+(:mod:`concur.annotate`), walked in program order:
+
+    x = conv(a)        reads a            a: readers [conv]
+    y = relu_(a)       writes a           conv -> relu_   (write after read)
+    z = add(a, 1)      reads a            relu_ -> add    (read after write)
+
+so an in-place op runs after every earlier reader of its storage (views and
+aliases included, since they share the storage) and before every later one;
+two writers keep their order. Random-number draws read and write one virtual
+storage, ``rng``, so dropout masks are drawn in the original order and a
+seeded run gives the same numbers as the original model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Hashable
+
+import networkx as nx
+import torch.fx as fx
+
+from .annotate import OP_KINDS, NodeFacts
+
+
+def operation_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Return the nodes that run an operation, in program order."""
+    return [n for n in graph.nodes if n.op in OP_KINDS]
+
+
+def facts(node: fx.Node) -> NodeFacts:
+    """Return the annotation of ``node`` (run :func:`concur.annotate.annotate` first)."""
+    try:
+        return node.meta["concur"]
+    except KeyError:
+        raise ValueError(f"node {node.name} has no concur annotation; run annotate() first") from None
+
+
+def build_dag(graph: fx.Graph) -> nx.DiGraph:
+    """Return the DAG of operation nodes with ``kind="data"`` and ``kind="hazard"`` edges.
+
+    Node attributes: ``target`` (a readable name of the op) and ``facts``.
+    Costs are added later by :mod:`concur.cost`.
+    """
+    dag = nx.DiGraph()
+    ops = operation_nodes(graph)
+    for n in ops:
+        dag.add_node(n.name, target=describe(n), facts=facts(n))
+    for n in ops:
+        for u in n.all_input_nodes:
+            if u.op in OP_KINDS:
+                dag.add_edge(u.name, n.name, kind="data")
+    for u, v in hazard_edges(ops):
+        if not dag.has_edge(u, v):
+            dag.add_edge(u, v, kind="hazard")
+    return dag
+
+
+def hazard_edges(ops: list[fx.Node]) -> set[tuple[str, str]]:
+    """Return (earlier, later) pairs ordered by read/write conflicts on a shared storage."""
+    last_writer: dict[Hashable, str] = {}
+    readers: dict[Hashable, list[str]] = defaultdict(list)
+    edges: set[tuple[str, str]] = set()
+    for n in ops:
+        f = facts(n)
+        for key in f.reads | f.writes:
+            writer = last_writer.get(key)
+            if writer is not None and writer != n.name:
+                edges.add((writer, n.name))  # read/write after write
+            if key in f.writes:
+                edges.update((r, n.name) for r in readers[key] if r != n.name)  # write after read
+                readers[key] = []
+                last_writer[key] = n.name
+            else:
+                readers[key].append(n.name)
+    return edges
+
+
+def describe(node: fx.Node) -> str:
+    """Return a short human name of the op a node runs, e.g. ``conv2d`` or ``Conv2d``."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "call_method":
+        return f".{node.target}"
+    return getattr(node.target, "__name__", str(node.target))

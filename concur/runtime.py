@@ -1,0 +1,108 @@
+"""Apply a plan's stream switches, events and waits on CUDA; do nothing on CPU.
+
+The generated forward (see :mod:`concur.codegen`) calls these methods as
+graph nodes, so no Python loop interprets the plan at run time. Index 0 is
+always the *caller's* current stream, so a serial plan changes nothing and
+the result lands where the caller expects it.
+
+Memory safety across streams: a tensor allocated on stream A and read on
+stream B can be freed by Python while B's kernel is still queued; the caching
+allocator would then hand the block to A's next allocation, which could
+overwrite it under B's feet. concur calls ``Tensor.record_stream(B)`` on such
+tensors (``keep``) instead of holding references until the join, because
+(1) the allocator then delays reuse only until B's work at the time of the
+free is done, so peak memory stays close to the serial plan's, and (2) the
+same protection covers tensors that autograd saves for backward, which live
+past the join. During CUDA-graph capture the allocator defers such frees to
+the end of capture, which is also safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .annotate import tensors_in
+
+
+class StreamRuntime:
+    """Streams and events of one plan, bound lazily to the device of the first CUDA input."""
+
+    def __init__(self, num_streams: int, num_events: int):
+        self.num_streams = num_streams
+        self.num_events = num_events
+        self.active = False
+        self._device: torch.device | None = None
+        self._side: list[torch.cuda.Stream] = []
+        self._events: list[torch.cuda.Event] = []
+        self._streams: list[torch.cuda.Stream] = []
+        self._current = 0
+
+    def _bind(self, device: torch.device) -> None:
+        if self._device == device:
+            return
+        with torch.cuda.device(device):
+            self._side = [torch.cuda.Stream(device) for _ in range(self.num_streams - 1)]
+            self._events = [torch.cuda.Event() for _ in range(self.num_events)]
+            self._join_events = [torch.cuda.Event() for _ in range(self.num_streams)]
+        self._device = device
+
+    def fork(self, *inputs: Any) -> None:
+        """Start a call: make every side stream wait for the work already queued by the caller."""
+        device = next((t.device for t in tensors_in(inputs) if t.is_cuda), None)
+        self.active = device is not None and self.num_streams > 1
+        if not self.active:
+            return
+        self._bind(device)
+        caller = torch.cuda.current_stream(device)
+        self._streams = [caller, *self._side]
+        self._current = 0
+        fork_event = self._join_events[0]
+        fork_event.record(caller)
+        for s in self._side:
+            s.wait_event(fork_event)
+
+    def switch(self, index: int) -> None:
+        """Make stream ``index`` current: the following ops are queued on it."""
+        if self.active:
+            self._current = index
+            torch.cuda.set_stream(self._streams[index])
+
+    def record(self, event: int) -> None:
+        """Record event ``event`` on the current stream, after the op just issued."""
+        if self.active:
+            self._events[event].record(self._streams[self._current])
+
+    def wait(self, event: int) -> None:
+        """Make the current stream wait for event ``event``."""
+        if self.active:
+            self._streams[self._current].wait_event(self._events[event])
+
+    def keep(self, *tensors: Any) -> None:
+        """Protect tensors allocated on another stream from reuse while the current stream uses them."""
+        if self.active:
+            stream = self._streams[self._current]
+            for t in tensors_in(tensors):
+                if t.is_cuda:
+                    t.record_stream(stream)
+
+    def join(self, *outputs: Any) -> None:
+        """End a call: the caller's stream waits for every side stream and becomes current again."""
+        if not self.active:
+            return
+        caller = self._streams[0]
+        for s, ev in zip(self._side, self._join_events[1:]):
+            ev.record(s)
+            caller.wait_event(ev)
+        torch.cuda.set_stream(caller)
+        self._current = 0
+        for t in tensors_in(outputs):
+            if t.is_cuda:
+                t.record_stream(caller)
+
+    def abort(self) -> None:
+        """Restore the caller's stream after an exception mid-plan."""
+        if self.active and self._streams:
+            torch.cuda.set_stream(self._streams[0])
+            self._current = 0
