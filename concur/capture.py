@@ -24,10 +24,16 @@ LeafSpec = Iterable["type[torch.nn.Module] | str"]
 
 
 class _ConcurTracer(fx.Tracer):
-    """fx.Tracer that honours user leaf modules and records where tracing failed."""
+    """fx.Tracer that honours user leaf modules and records where tracing failed.
+
+    Buffers are proxied like parameters: by default fx hands the real buffer
+    to the forward, so ``self.ema.mul_(0.9)`` would run once, at trace time,
+    on the real buffer, and be baked into the graph as a constant.
+    """
 
     def __init__(self, leaf_modules: LeafSpec = ()):
         super().__init__()
+        self.proxy_buffer_attributes = True
         leaves = list(leaf_modules)
         self._leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self._leaf_paths = frozenset(x for x in leaves if isinstance(x, str))

@@ -38,6 +38,8 @@ def allocation_streams(graph: fx.Graph, schedule: Schedule) -> dict[fx.Node, fro
     for n in graph.nodes:
         if n.op == "placeholder":
             result[n] = frozenset({0})
+        elif n.name not in schedule.stream:  # hoisted into the prologue: views of inputs or state
+            result[n] = frozenset().union(*(result.get(u, frozenset()) for u in n.all_input_nodes))
         elif n.op in OP_KINDS:
             f = facts(n)
             own = frozenset({schedule.stream[n.name]}) if f.outputs - f.reads else frozenset()
@@ -49,13 +51,18 @@ def allocation_streams(graph: fx.Graph, schedule: Schedule) -> dict[fx.Node, fro
     return result
 
 
-def generate(graph: fx.Graph, schedule: Schedule, runtime_attr: str) -> fx.Graph:
-    """Return a new graph computing ``graph`` in ``schedule``'s order on its streams."""
+def generate(graph: fx.Graph, schedule: Schedule, runtime_attr: str,
+             prologue: frozenset[str] = frozenset()) -> fx.Graph:
+    """Return a new graph computing ``graph`` in ``schedule``'s order on its streams.
+
+    ``prologue`` names ops that launch no kernel and depend on nothing; they
+    are emitted first, in program order, before the fork.
+    """
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     by_name = {n.name: n for n in graph.nodes}
     for n in graph.nodes:
-        if n.op in ("placeholder", "get_attr"):
+        if n.op in ("placeholder", "get_attr") or n.name in prologue:
             env[n] = new.node_copy(n, lambda x: env[x])
     rt = new.get_attr(runtime_attr)
     placeholders = [env[n] for n in graph.nodes if n.op == "placeholder"]

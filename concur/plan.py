@@ -64,6 +64,17 @@ def analyse(model: torch.nn.Module, example_inputs: tuple, cost_model: CostModel
     return traced, dag
 
 
+def hoistable(dag: nx.DiGraph) -> frozenset[str]:
+    """Return the ops that launch no kernel and depend on nothing (e.g. views of buffers).
+
+    They do no GPU work, so they can run before the fork, on the caller's
+    stream, and nobody needs to wait for them; left to the scheduler they could
+    land on a side stream and cost a pointless event wait.
+    """
+    return frozenset(n for n, d in dag.nodes(data=True)
+                     if not d["facts"].launches_kernel and dag.in_degree(n) == 0)
+
+
 def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                cost_model: CostModel | None = None, leaf_modules: LeafSpec = ()) -> Plan:
     """Return a verified plan running ``model`` on up to ``streams`` streams.
@@ -73,10 +84,12 @@ def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, sche
         PlanError: the schedule or the generated code violates a dependency (a concur bug).
     """
     traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
-    schedule = schedulers.schedule(dag, streams, scheduler)
-    problems = schedulers.validate(dag, schedule)
+    prologue = hoistable(dag)
+    scheduled = dag.subgraph(n for n in dag if n not in prologue).copy()
+    schedule = schedulers.schedule(scheduled, streams, scheduler)
+    problems = schedulers.validate(scheduled, schedule)
     runtime_attr = f"_concur_runtime_{next(_plan_ids)}"
-    graph = generate(traced.graph, schedule, runtime_attr)
+    graph = generate(traced.graph, schedule, runtime_attr, prologue)
     problems += verify_generated(graph, dag, schedule.num_streams)
     if problems:
         raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "

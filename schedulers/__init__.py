@@ -1,0 +1,40 @@
+"""Pure-Python stream schedulers for DAGs of costed kernels; never imports torch.
+
+A scheduler takes a `networkx.DiGraph` whose nodes carry a `cost` (predicted
+microseconds; missing means 0) and whose edges u -> v mean "v after u", and
+returns a `Schedule`: a stream per node, an issue order, and the fewest
+cross-stream waits that keep every edge. See `schedulers.schedule` for the
+execution model the runtime must follow.
+"""
+
+from schedulers.schedule import (
+    SCHEDULERS,
+    Schedule,
+    Wait,
+    build_schedule,
+    minimal_waits,
+    schedule,
+    simulate,
+    validate,
+)
+from schedulers.serial import serial
+from schedulers.critical_path import critical_path
+from schedulers.fork import fork
+from schedulers.analysis import critical_path_length, predicted_speedups, width
+
+__all__ = [
+    "SCHEDULERS",
+    "Schedule",
+    "Wait",
+    "build_schedule",
+    "critical_path",
+    "critical_path_length",
+    "fork",
+    "minimal_waits",
+    "predicted_speedups",
+    "schedule",
+    "serial",
+    "simulate",
+    "validate",
+    "width",
+]

@@ -1,0 +1,102 @@
+"""List scheduling by critical path: heaviest remaining work first, earliest finish wins.
+
+The priority of a node is its *bottom level*: the cost of the longest path
+from it to a sink, its own cost included. In the diamond below (costs in
+brackets) a, b and c lie on paths of 12, so they go first, d last::
+
+          a [1]           bottom levels: a 12, b 11, c 11, d 1
+         /     \\
+     b [10]   c [10]      2 streams: a, b on stream 0; c on stream 1
+         \\     /          (finishes at 11, not 21); d on stream 0
+          d [1]           makespan 12 instead of 22
+
+Repeatedly the ready node (all predecessors placed) of highest priority is
+placed on the stream where it would *finish* first: start when the stream is
+free and every predecessor has finished, plus `sync_cost` if any predecessor
+is on another stream (the wait it will need). Ties go to a stream holding the
+predecessor that finishes last (so chains and zero-cost nodes stay with their
+producer when moving gains nothing), then to the lowest stream index. The
+issue order is the order of placement; the waits are `minimal_waits`.
+
+With ``sync_cost=0`` the predicted makespan never exceeds the serial one: each
+placement finishes no later than the latest finish so far plus its own cost.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+
+import networkx as nx
+
+from schedulers.schedule import Schedule, build_schedule, check_dag, node_cost, register
+
+__all__ = ["critical_path", "bottom_levels"]
+
+
+def bottom_levels(dag: nx.DiGraph) -> dict[Hashable, float]:
+    """Return, per node, the cost of the longest path from it to a sink, its own cost included.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph([("a", "b"), ("b", "c")])
+    >>> nx.set_node_attributes(dag, {"a": 1.0, "b": 2.0, "c": 3.0}, "cost")
+    >>> bottom_levels(dag)
+    {'c': 3.0, 'b': 5.0, 'a': 6.0}
+    """
+    level: dict[Hashable, float] = {}
+    for v in reversed(list(nx.topological_sort(dag))):
+        level[v] = node_cost(dag, v) + max((level[s] for s in dag.successors(v)), default=0.0)
+    return level
+
+
+@register
+def critical_path(
+    dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, **kw: object
+) -> Schedule:
+    """Return a list schedule that runs the longest remaining path first, each node where it finishes first.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph()
+    >>> dag.add_nodes_from([("a", {"cost": 1}), ("b", {"cost": 10}),
+    ...                     ("c", {"cost": 10}), ("d", {"cost": 1})])
+    >>> dag.add_edges_from([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    >>> s = critical_path(dag, num_streams=2, sync_cost=0.0)
+    >>> s.order, dict(s.stream)
+    (('a', 'b', 'c', 'd'), {'a': 0, 'b': 0, 'c': 1, 'd': 0})
+    >>> s.waits
+    (Wait(producer='a', consumer='c'), Wait(producer='c', consumer='d'))
+    >>> s.makespan
+    12.0
+    """
+    check_dag(dag, num_streams)
+    index = {v: i for i, v in enumerate(dag.nodes)}
+    priority = bottom_levels(dag)
+    missing = {v: dag.in_degree(v) for v in dag.nodes}
+    # The insertion index is unique, so heap entries never compare the nodes themselves.
+    ready = [(-priority[v], index[v], v) for v in dag.nodes if missing[v] == 0]
+    heapq.heapify(ready)
+
+    free = [0.0] * num_streams
+    finish: dict[Hashable, float] = {}
+    stream: dict[Hashable, int] = {}
+    order: list[Hashable] = []
+    while ready:
+        _, _, v = heapq.heappop(ready)
+        preds = list(dag.predecessors(v))
+        inputs_done = max((finish[u] for u in preds), default=0.0)
+        last = max(((finish[u], node_cost(dag, u)) for u in preds), default=None)
+        home = {stream[u] for u in preds if (finish[u], node_cost(dag, u)) == last}
+
+        def finish_on(t: int) -> float:
+            cross = any(stream[u] != t for u in preds)
+            return max(free[t], inputs_done) + (sync_cost if cross else 0.0) + node_cost(dag, v)
+
+        t = min(range(num_streams), key=lambda t: (finish_on(t), t not in home, t))
+        finish[v] = free[t] = finish_on(t)
+        stream[v] = t
+        order.append(v)
+        for s in dag.successors(v):
+            missing[s] -= 1
+            if missing[s] == 0:
+                heapq.heappush(ready, (-priority[s], index[s], s))
+    return build_schedule(dag, order, stream, "critical_path", sync_cost)

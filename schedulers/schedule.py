@@ -1,0 +1,393 @@
+"""The `Schedule` a scheduler returns, and the checks and predictions made on it.
+
+A schedule answers two questions for a DAG of kernels: on which stream does
+each node run, and in which order does the one CPU thread issue them. The
+waits between streams follow from those two answers, so they are computed
+here, once, for every scheduler::
+
+        a            a: stream 0
+       / \\           b: stream 0   (same stream as a: ordered for free)
+      b   c          c: stream 1   needs a  -> Wait(a, c)
+       \\ /           d: stream 0   needs c  -> Wait(c, d); b is ordered for free
+        d
+
+Execution model (what the runtime does with a schedule). The CPU walks
+`order`; for a node v on stream t it makes t wait on the event of every
+`Wait(p, v)`, issues v on t, and, if v is some wait's producer, records an
+event on t right after v. Work on one stream runs in issue order. Every stream
+first waits on the caller's stream (stream 0) and the caller finally waits on
+every stream, so graph inputs and outputs need no waits.
+
+Happens-before is tracked with vector clocks: ``clock[t][s]`` is how many
+nodes of stream s stream t knows to be finished. Issuing v on t advances
+``clock[t][t]``; an event recorded after p snapshots p's stream's clock; a
+wait merges that snapshot into the waiting stream's clock. A dependency u -> v
+holds when u is issued before v and, at v's start, v's stream knows u's
+position on u's stream to be finished.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+
+import networkx as nx
+
+__all__ = [
+    "Wait",
+    "Schedule",
+    "minimal_waits",
+    "simulate",
+    "validate",
+    "build_schedule",
+    "check_dag",
+    "node_cost",
+    "insertion_order",
+    "SCHEDULERS",
+    "register",
+    "schedule",
+]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Stream of `consumer` waits on the event recorded right after `producer`."""
+
+    producer: Hashable
+    consumer: Hashable
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Stream assignment, issue order and cross-stream waits for one DAG.
+
+    `num_streams` is the number of streams actually used (max index + 1, at
+    least 1); stream 0 is the caller's stream. `makespan` is `simulate`'s
+    prediction, in the DAG's cost units.
+    """
+
+    order: tuple
+    stream: Mapping[Hashable, int] = field(hash=False)
+    waits: tuple[Wait, ...]
+    num_streams: int
+    scheduler: str
+    makespan: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stream, MappingProxyType):
+            object.__setattr__(self, "stream", MappingProxyType(dict(self.stream)))
+
+    @property
+    def streams_used(self) -> tuple[int, ...]:
+        """Return the sorted stream indices that run at least one node."""
+        return tuple(sorted(set(self.stream.values())))
+
+    def nodes_on(self, stream: int) -> tuple:
+        """Return the nodes of `stream`, in issue order."""
+        return tuple(v for v in self.order if self.stream[v] == stream)
+
+    def waits_into(self, node: Hashable) -> tuple[Wait, ...]:
+        """Return the waits whose consumer is `node`."""
+        return self._waits_by_consumer.get(node, ())
+
+    def producers(self) -> frozenset:
+        """Return the nodes after which an event must be recorded."""
+        return frozenset(w.producer for w in self.waits)
+
+    @cached_property
+    def _waits_by_consumer(self) -> dict[Hashable, tuple[Wait, ...]]:
+        by: dict[Hashable, list[Wait]] = defaultdict(list)
+        for w in self.waits:
+            by[w.consumer].append(w)
+        return {v: tuple(ws) for v, ws in by.items()}
+
+
+# --------------------------------------------------------------------------
+# Input helpers shared by the schedulers.
+
+
+def node_cost(dag: nx.DiGraph, v: Hashable) -> float:
+    """Return the `cost` attribute of `v` as a float (0 when missing)."""
+    return float(dag.nodes[v].get("cost") or 0.0)
+
+
+def insertion_order(dag: nx.DiGraph) -> list:
+    """Return a topological order that follows node insertion order where it can.
+
+    This is the "original program order": for an fx graph, the order of
+    `graph.nodes`.
+    """
+    index = {v: i for i, v in enumerate(dag.nodes)}
+    return list(nx.lexicographical_topological_sort(dag, key=index.__getitem__))
+
+
+def check_dag(dag: nx.DiGraph, num_streams: int) -> None:
+    """Raise `ValueError` unless `dag` is acyclic with valid costs and `num_streams >= 1`."""
+    if not isinstance(num_streams, int) or num_streams < 1:
+        raise ValueError(f"num_streams must be an int >= 1, got {num_streams!r}")
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = " -> ".join(repr(u) for u, _ in nx.find_cycle(dag))
+        raise ValueError(
+            f"the graph has a cycle ({cycle} -> ...); a schedule needs a DAG: "
+            "drop the edge that closes the cycle"
+        )
+    for v in dag.nodes:
+        c = node_cost(dag, v)
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"node {v!r} has cost {c!r}; costs must be finite and >= 0")
+
+
+# --------------------------------------------------------------------------
+# Vector clocks.
+
+
+def _walk(
+    dag: nx.DiGraph,
+    order: Sequence,
+    stream: Mapping[Hashable, int],
+    waits: Iterable[Wait],
+) -> tuple[list[tuple[Hashable, Hashable]], set[Wait]]:
+    """Replay `order` with vector clocks.
+
+    Returns the unsatisfied dependencies (u, v) and the waits that are locally
+    needed: their producer is not known finished at the consumer through the
+    stream's own history and the consumer's other waits. A locally needed wait
+    can never be dropped (dropping other waits only removes knowledge), so only
+    the rest need a full replay to test for redundancy.
+    """
+    n = max(stream.values(), default=0) + 1
+    into: dict[Hashable, list[Wait]] = defaultdict(list)
+    for w in waits:
+        into[w.consumer].append(w)
+    clock = [[0] * n for _ in range(n)]
+    seq: dict[Hashable, int] = {}  # 1-based position of a node on its stream
+    snap: dict[Hashable, tuple[int, ...]] = {}
+    unsatisfied: list[tuple[Hashable, Hashable]] = []
+    needed: set[Wait] = set()
+    for v in order:
+        t = stream[v]
+        c = clock[t]
+        # A wait on an event not yet recorded is a no-op on CUDA, so it adds nothing.
+        incoming = [(w, snap[w.producer]) for w in into.get(v, ()) if w.producer in snap]
+        for j, (w, _) in enumerate(incoming):
+            p = stream[w.producer]
+            others = max((o[p] for k, (_, o) in enumerate(incoming) if k != j), default=0)
+            if max(c[p], others) < seq[w.producer]:
+                needed.add(w)
+        for _, s in incoming:
+            for i in range(n):
+                if s[i] > c[i]:
+                    c[i] = s[i]
+        for u in dag.predecessors(v):
+            if u not in seq or c[stream[u]] < seq[u]:
+                unsatisfied.append((u, v))
+        c[t] += 1
+        seq[v] = c[t]
+        snap[v] = tuple(c)
+    return unsatisfied, needed
+
+
+def minimal_waits(
+    dag: nx.DiGraph, order: Sequence, stream: Mapping[Hashable, int]
+) -> tuple[Wait, ...]:
+    """Return a minimal set of waits that make `order` and `stream` respect every edge of `dag`.
+
+    No wait in the result is redundant: dropping any one of them leaves some
+    dependency unsatisfied. At each node the waits are chosen greedily, the
+    predecessor whose event covers most of the still-unknown predecessors
+    first; a final pass drops any wait the others already imply.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    >>> minimal_waits(dag, ["a", "b", "c", "d"], {"a": 0, "b": 0, "c": 1, "d": 0})
+    (Wait(producer='a', consumer='c'), Wait(producer='c', consumer='d'))
+
+    Here a -> d needs no wait of its own: d is on a's stream.
+    """
+    pos = {v: i for i, v in enumerate(order)}
+    n = max(stream.values(), default=0) + 1
+    clock = [[0] * n for _ in range(n)]
+    seq: dict[Hashable, int] = {}
+    snap: dict[Hashable, tuple[int, ...]] = {}
+    waits: list[Wait] = []
+    for v in order:
+        t = stream[v]
+        c = clock[t]
+        preds = sorted(dag.predecessors(v), key=pos.__getitem__)
+        for u in preds:
+            if u not in seq:
+                raise ValueError(f"order is not topological: {u!r} -> {v!r} but {v!r} comes first")
+        need = [u for u in preds if c[stream[u]] < seq[u]]
+        while need:
+            best = max(
+                need,
+                key=lambda u: (
+                    sum(snap[u][stream[x]] >= seq[x] for x in need),
+                    sum(snap[u]),
+                    pos[u],
+                ),
+            )
+            waits.append(Wait(best, v))
+            for i, k in enumerate(snap[best]):
+                if k > c[i]:
+                    c[i] = k
+            need = [u for u in need if c[stream[u]] < seq[u]]
+        c[t] += 1
+        seq[v] = c[t]
+        snap[v] = tuple(c)
+
+    # Safety net; in vector clocks knowing p finished means knowing all p knew,
+    # so the pick covering the most at a node is never covered by a later pick
+    # and every wait above is locally needed. Should one not be, one pass is a
+    # fixed point: dropping waits only removes knowledge, so a wait found
+    # necessary stays necessary.
+    _, needed = _walk(dag, order, stream, waits)
+    for w in reversed([w for w in waits if w not in needed]):
+        trial = [x for x in waits if x != w]
+        if not _walk(dag, order, stream, trial)[0]:
+            waits = trial
+    return tuple(sorted(waits, key=lambda w: (pos[w.consumer], pos[w.producer])))
+
+
+def simulate(
+    dag: nx.DiGraph,
+    order: Sequence,
+    stream: Mapping[Hashable, int],
+    waits: Iterable[Wait],
+    sync_cost: float = 0.0,
+) -> float:
+    """Return the predicted makespan: when the last stream finishes.
+
+    Each stream runs its nodes in issue order; a node starts once its stream is
+    free and every event it waits on has fired, plus `sync_cost` per wait. CPU
+    issue time is ignored. Dependencies are honoured only through stream order
+    and `waits`, as on the GPU, so simulate a schedule `validate` accepts.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph([("a", "b")])
+    >>> nx.set_node_attributes(dag, {"a": 2.0, "b": 3.0}, "cost")
+    >>> simulate(dag, ["a", "b"], {"a": 0, "b": 1}, [Wait("a", "b")], sync_cost=0.5)
+    5.5
+    """
+    into: dict[Hashable, list[Hashable]] = defaultdict(list)
+    for w in waits:
+        into[w.consumer].append(w.producer)
+    free: dict[int, float] = defaultdict(float)
+    finish: dict[Hashable, float] = {}
+    for v in order:
+        t = stream[v]
+        producers = into.get(v, ())
+        for p in producers:
+            if p not in finish:
+                raise ValueError(f"wait {p!r} -> {v!r}: the producer is issued after the consumer")
+        start = max([free[t], *(finish[p] for p in producers)]) + sync_cost * len(producers)
+        finish[v] = free[t] = start + node_cost(dag, v)
+    return max(finish.values(), default=0.0)
+
+
+def validate(dag: nx.DiGraph, schedule: Schedule) -> list[str]:
+    """Return the problems of `schedule` for `dag`, one sentence each; empty when valid."""
+    problems: list[str] = []
+    order, stream, waits = schedule.order, schedule.stream, schedule.waits
+
+    seen: set[Hashable] = set()
+    for v in order:
+        if v in seen:
+            problems.append(f"node {v!r} is issued twice")
+        elif v not in dag:
+            problems.append(f"node {v!r} is in the order but not in the graph")
+        seen.add(v)
+    missing = [v for v in dag.nodes if v not in seen]
+    if missing:
+        problems.append(f"nodes missing from the order: {missing!r}")
+    for v in dag.nodes:
+        s = stream.get(v)
+        if not isinstance(s, int) or not 0 <= s < schedule.num_streams:
+            problems.append(f"node {v!r} has stream {s!r}, outside 0..{schedule.num_streams - 1}")
+    if problems:
+        return problems  # the checks below need every node once, on a valid stream
+    used = max(stream[v] for v in order) + 1 if order else 1
+    if schedule.num_streams != used:
+        problems.append(f"num_streams is {schedule.num_streams}, but streams used are {schedule.streams_used}")
+
+    pos = {v: i for i, v in enumerate(order)}
+    for u, v in dag.edges:
+        if pos[u] > pos[v]:
+            problems.append(f"order is not topological: {u!r} -> {v!r} but {v!r} is issued first")
+    if len(set(waits)) != len(waits):
+        problems.append("some waits are listed twice")
+    for w in waits:
+        if w.producer not in pos or w.consumer not in pos:
+            problems.append(f"{w} names a node that is not in the graph")
+        elif stream[w.producer] == stream[w.consumer]:
+            problems.append(f"{w} is within stream {stream[w.producer]}: stream order already covers it")
+        elif pos[w.producer] > pos[w.consumer]:
+            problems.append(f"{w}: the producer is issued after the consumer, so its event is not recorded yet")
+    if problems:
+        return problems
+
+    unsatisfied, needed = _walk(dag, order, stream, waits)
+    for u, v in unsatisfied:
+        problems.append(
+            f"dependency {u!r} -> {v!r} is not ordered: stream {stream[v]} does not wait for "
+            f"{u!r} on stream {stream[u]}"
+        )
+    if not unsatisfied:
+        for w in waits:
+            if w not in needed and not _walk(dag, order, stream, [x for x in waits if x != w])[0]:
+                problems.append(f"{w} is redundant: stream order and the other waits imply it")
+    return problems
+
+
+# --------------------------------------------------------------------------
+# Building and dispatching.
+
+
+def build_schedule(
+    dag: nx.DiGraph,
+    order: Sequence,
+    stream: Mapping[Hashable, int],
+    scheduler: str,
+    sync_cost: float = 0.0,
+) -> Schedule:
+    """Return the `Schedule` for a given order and stream assignment, with minimal waits.
+
+    Streams are renumbered by first use in `order`, so the first node runs on
+    the caller's stream 0 and the streams used are exactly 0..num_streams-1.
+    """
+    renumber: dict[int, int] = {}
+    for v in order:
+        renumber.setdefault(stream[v], len(renumber))
+    streams = {v: renumber[stream[v]] for v in order}
+    waits = minimal_waits(dag, order, streams)
+    return Schedule(
+        order=tuple(order),
+        stream=streams,
+        waits=waits,
+        num_streams=max(len(renumber), 1),
+        scheduler=scheduler,
+        makespan=simulate(dag, order, streams, waits, sync_cost),
+    )
+
+
+SCHEDULERS: dict[str, Callable[..., Schedule]] = {}
+
+
+def register(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
+    """Add a scheduler to `SCHEDULERS` under its function name."""
+    SCHEDULERS[fn.__name__] = fn
+    return fn
+
+
+def schedule(
+    dag: nx.DiGraph, num_streams: int, scheduler: str = "critical_path", **kw: object
+) -> Schedule:
+    """Return `dag` scheduled onto at most `num_streams` streams by the named scheduler."""
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(SCHEDULERS)}")
+    check_dag(dag, num_streams)
+    return SCHEDULERS[scheduler](dag, num_streams, **kw)

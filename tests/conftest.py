@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import concur
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def flat_tensors(value: Any) -> list[torch.Tensor]:
+    """Tensors of a (nested) model output in a deterministic order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k in sorted(value) for t in flat_tensors(value[k])]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in flat_tensors(v)]
+    return []
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    err = (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-12)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
+
+
+def compare_with_original(model: torch.nn.Module, make_inputs: Callable[[], tuple], *, streams: int = 4,
+                          scheduler: str = "critical_path", rtol: float = 1e-5, steps: int = 2,
+                          device: str = "cpu", **optimize_kw) -> torch.nn.Module:
+    """Run a deep copy of ``model`` and the optimized model on the same fresh inputs and seeds.
+
+    Checks outputs, parameter gradients and buffers (BatchNorm statistics, counters) after
+    each of ``steps`` forward+backward passes. Returns the optimized module.
+    """
+    reference = copy.deepcopy(model).to(device)
+    model = model.to(device)
+    example = tuple(x.to(device) for x in make_inputs())
+    optimized = concur.optimize(model, example, streams=streams, scheduler=scheduler, **optimize_kw)
+    for step in range(steps):
+        inputs = tuple(x.to(device) for x in make_inputs())
+        seed = 1234 + step
+        torch.manual_seed(seed)
+        expected = reference(*inputs)
+        torch.manual_seed(seed)
+        actual = optimized(*inputs)
+        exp_t, act_t = flat_tensors(expected), flat_tensors(actual)
+        assert len(exp_t) == len(act_t) and type(expected) is type(actual)
+        for i, (a, e) in enumerate(zip(act_t, exp_t)):
+            assert_close_rel(a, e, rtol, f"step {step} output {i}")
+        loss_e = sum((t.float() * torch.linspace(0.5, 1.5, t.numel(), device=t.device).view_as(t)).sum()
+                     for t in exp_t if t.is_floating_point())
+        loss_a = sum((t.float() * torch.linspace(0.5, 1.5, t.numel(), device=t.device).view_as(t)).sum()
+                     for t in act_t if t.is_floating_point())
+        reference.zero_grad(set_to_none=True)
+        optimized.zero_grad(set_to_none=True)
+        if isinstance(loss_e, torch.Tensor) and loss_e.requires_grad:
+            loss_e.backward()
+            loss_a.backward()
+        ref_params = dict(reference.named_parameters())
+        for name, p in optimized.named_parameters():
+            g, ge = p.grad, ref_params[name].grad
+            assert (g is None) == (ge is None), f"grad presence differs for {name}"
+            if g is not None:
+                assert_close_rel(g, ge, rtol, f"step {step} grad {name}")
+        ref_buffers = dict(reference.named_buffers())
+        for name, b in optimized.named_buffers():
+            assert_close_rel(b.float(), ref_buffers[name].float(), rtol, f"step {step} buffer {name}")
+    return optimized

@@ -1,0 +1,240 @@
+"""Tests for the pure-Python `schedulers` package (no torch, no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedulers import (
+    SCHEDULERS,
+    Wait,
+    critical_path,
+    critical_path_length,
+    fork,
+    minimal_waits,
+    predicted_speedups,
+    schedule,
+    serial,
+    simulate,
+    validate,
+    width,
+)
+
+ALL = [serial, critical_path, fork]
+
+
+def costed(edges: list[tuple[str, str]], costs: dict[str, float]) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    dag.add_nodes_from((v, {"cost": c}) for v, c in costs.items())
+    dag.add_edges_from(edges)
+    return dag
+
+
+@pytest.fixture
+def diamond() -> nx.DiGraph:
+    return costed(
+        [("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")],
+        {"a": 1.0, "b": 10.0, "c": 10.0, "d": 1.0},
+    )
+
+
+def fork_join(branches: int, cost: float = 10.0) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    dag.add_node("src", cost=1.0)
+    for i in range(branches):
+        dag.add_node(f"b{i}", cost=cost)
+        dag.add_edge("src", f"b{i}")
+    dag.add_node("sink", cost=1.0)
+    dag.add_edges_from((f"b{i}", "sink") for i in range(branches))
+    return dag
+
+
+# ---------------------------------------------------------------- hand-written cases
+
+
+@pytest.mark.parametrize("scheduler", ALL, ids=lambda f: f.__name__)
+def test_chain_stays_on_one_stream_without_waits(scheduler):
+    dag = nx.path_graph([f"n{i}" for i in range(6)], create_using=nx.DiGraph)
+    nx.set_node_attributes(dag, {v: float(i % 3) for i, v in enumerate(dag)}, "cost")
+    s = scheduler(dag, num_streams=4)
+    assert s.num_streams == 1 and s.waits == ()
+    assert s.order == tuple(f"n{i}" for i in range(6))
+    assert validate(dag, s) == []
+
+
+@pytest.mark.parametrize("scheduler", [critical_path, fork], ids=lambda f: f.__name__)
+def test_diamond_runs_branches_on_two_streams_with_two_waits(diamond, scheduler):
+    s = scheduler(diamond, num_streams=2)
+    assert s.stream["b"] != s.stream["c"]
+    # The branch off a's stream needs a's event; d needs the branch not on its stream.
+    off = "c" if s.stream["c"] != s.stream["a"] else "b"
+    other = "b" if off == "c" else "c"
+    expected = {Wait("a", off), Wait(off if s.stream["d"] != s.stream[off] else other, "d")}
+    assert set(s.waits) == expected and len(s.waits) == 2
+    assert validate(diamond, s) == []
+
+
+@pytest.mark.parametrize("scheduler", [critical_path, fork], ids=lambda f: f.__name__)
+def test_fork_join_of_eight_branches_uses_eight_streams(scheduler):
+    dag = fork_join(8)
+    s = scheduler(dag, num_streams=8)
+    assert s.num_streams == 8 and s.streams_used == tuple(range(8))
+    assert len({s.stream[f"b{i}"] for i in range(8)}) == 8
+    assert validate(dag, s) == []
+
+
+def test_serial_has_no_waits_and_keeps_program_order(diamond):
+    s = serial(diamond, num_streams=8)
+    assert s.waits == () and s.num_streams == 1 and s.order == ("a", "b", "c", "d")
+    assert s.makespan == 22.0
+
+
+def test_transitively_implied_wait_is_not_emitted_and_is_flagged():
+    # a -> c is implied by a -> b -> c through the waits a->b and b->c.
+    dag = costed([("a", "b"), ("b", "c"), ("a", "c")], {"a": 1, "b": 1, "c": 1})
+    order, stream = ("a", "b", "c"), {"a": 0, "b": 1, "c": 2}
+    waits = minimal_waits(dag, order, stream)
+    assert waits == (Wait("a", "b"), Wait("b", "c"))
+    s = dataclasses.replace(
+        critical_path(dag, 1), order=order, stream=stream, num_streams=3,
+        waits=waits + (Wait("a", "c"),),
+    )
+    assert any("redundant" in p for p in validate(dag, s))
+
+
+def test_greedy_prefers_the_wait_that_covers_the_others():
+    # d needs a (stream 0) and c (stream 2); c already waited on a, so one wait serves both.
+    dag = costed([("a", "c"), ("a", "d"), ("c", "d"), ("b", "d")], {v: 1 for v in "abcd"})
+    waits = minimal_waits(dag, "abcd", {"a": 0, "b": 1, "c": 2, "d": 1})
+    assert waits == (Wait("a", "c"), Wait("c", "d"))
+
+
+def test_missing_wait_and_bad_order_are_reported(diamond):
+    s = critical_path(diamond, 2, sync_cost=0.0)
+    no_waits = dataclasses.replace(s, waits=())
+    assert any("not ordered" in p for p in validate(diamond, no_waits))
+    backwards = dataclasses.replace(s, order=tuple(reversed(s.order)))
+    assert any("not topological" in p for p in validate(diamond, backwards))
+    dropped = dataclasses.replace(s, order=s.order[:-1])
+    assert any("missing" in p for p in validate(diamond, dropped))
+    same_stream = dataclasses.replace(s, waits=s.waits + (Wait("a", "b"),))
+    assert any("within stream" in p for p in validate(diamond, same_stream))
+    too_early = dataclasses.replace(s, waits=s.waits + (Wait("d", "c"),))
+    assert any("issued after" in p for p in validate(diamond, too_early))
+
+
+def test_unknown_scheduler_names_the_valid_ones(diamond):
+    with pytest.raises(ValueError, match="critical_path.*fork.*serial"):
+        schedule(diamond, 2, scheduler="nope")
+
+
+def test_cycle_and_bad_stream_count_raise(diamond):
+    cyclic = costed([("a", "b"), ("b", "c"), ("c", "a")], {"a": 1, "b": 1, "c": 1})
+    for name in SCHEDULERS:
+        with pytest.raises(ValueError, match="cycle"):
+            schedule(cyclic, 2, scheduler=name)
+    with pytest.raises(ValueError, match="num_streams"):
+        schedule(diamond, 0)
+
+
+def test_speedup_of_two_equal_heavy_branches(diamond):
+    ideal = (1 + 2 * 10 + 1) / (1 + 10 + 1)
+    speedups = predicted_speedups(diamond, max_streams=4, sync_cost=0.0)
+    assert speedups[1] == pytest.approx(1.0)
+    assert all(v == pytest.approx(ideal) for k, v in speedups.items() if k >= 2)
+    # At the default sync cost of 1 each of the two waits delays the finish by 1.
+    assert predicted_speedups(diamond, max_streams=2)[2] == pytest.approx(22 / 14)
+
+
+def test_zero_cost_node_stays_with_its_producer():
+    # With no sync cost, "view" finishes at 11 on every stream; it must not leave c's stream.
+    dag = costed(
+        [("a", "b"), ("a", "c"), ("c", "view"), ("view", "e"), ("b", "f")],
+        {"a": 1, "b": 10, "c": 10, "view": 0, "e": 1, "f": 1},
+    )
+    s = critical_path(dag, 3, sync_cost=0.0)
+    assert s.stream["c"] != 0
+    assert s.stream["view"] == s.stream["e"] == s.stream["c"]
+
+
+def test_simulate_charges_sync_cost_per_wait(diamond):
+    s = critical_path(diamond, 2, sync_cost=0.0)
+    assert simulate(diamond, s.order, s.stream, s.waits, sync_cost=0.0) == 12.0
+    assert simulate(diamond, s.order, s.stream, s.waits, sync_cost=1.0) == 14.0
+
+
+def test_analysis_numbers(diamond):
+    assert critical_path_length(diamond) == 12.0
+    assert width(diamond) == 2 and width(fork_join(8)) == 8 and width(nx.DiGraph()) == 0
+
+
+def test_schedule_accessors(diamond):
+    s = critical_path(diamond, 2, sync_cost=0.0)
+    assert s.nodes_on(0) == ("a", "b", "d") and s.nodes_on(1) == ("c",)
+    assert s.waits_into("d") == (Wait("c", "d"),) and s.waits_into("b") == ()
+    assert s.producers() == frozenset({"a", "c"})
+    with pytest.raises(TypeError):
+        s.stream["a"] = 1  # read-only view
+
+
+@pytest.mark.parametrize("scheduler", ALL, ids=lambda f: f.__name__)
+def test_empty_graph(scheduler):
+    s = scheduler(nx.DiGraph(), num_streams=3)
+    assert s.order == () and s.num_streams == 1 and s.makespan == 0.0
+    assert validate(nx.DiGraph(), s) == []
+
+
+# ---------------------------------------------------------------- properties
+
+
+@st.composite
+def random_dags(draw: st.DrawFn) -> nx.DiGraph:
+    n = draw(st.integers(1, 30))
+    dag = nx.DiGraph()
+    # Insertion order is shuffled against the topological numbering, so program order
+    # is not always 0..n-1.
+    for i in draw(st.permutations(range(n))):
+        dag.add_node(f"n{i}", cost=draw(st.floats(0, 100, allow_nan=False)))
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    density = draw(st.floats(0, 0.5))
+    for i, j in pairs:
+        if draw(st.floats(0, 1)) < density:
+            dag.add_edge(f"n{i}", f"n{j}")
+    return dag
+
+
+PROPS = settings(max_examples=150, deadline=None)
+
+
+@PROPS
+@given(dag=random_dags(), k=st.integers(1, 8), name=st.sampled_from(sorted(SCHEDULERS)))
+def test_every_schedule_is_valid_and_within_stream_budget(dag, k, name):
+    s = schedule(dag, k, scheduler=name)
+    assert validate(dag, s) == []
+    assert 1 <= s.num_streams <= k
+    assert all(0 <= t < k for t in s.stream.values())
+
+
+@PROPS
+@given(dag=random_dags(), k=st.integers(1, 8))
+def test_critical_path_never_slower_than_serial_without_sync_cost(dag, k):
+    s = critical_path(dag, k, sync_cost=0.0)
+    assert validate(dag, s) == []
+    assert s.makespan <= serial(dag).makespan + 1e-6
+    assert s.makespan >= critical_path_length(dag) - 1e-6
+
+
+@PROPS
+@given(dag=random_dags(), k=st.integers(2, 8), name=st.sampled_from(["critical_path", "fork"]),
+       data=st.data())
+def test_validate_catches_a_dropped_wait(dag, k, name, data):
+    s = schedule(dag, k, scheduler=name, sync_cost=0.0)
+    if not s.waits:
+        return
+    i = data.draw(st.integers(0, len(s.waits) - 1))
+    broken = dataclasses.replace(s, waits=s.waits[:i] + s.waits[i + 1:])
+    assert validate(dag, broken) != []
