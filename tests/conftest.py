@@ -29,11 +29,13 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
 
 
 def compare_with_original(model: torch.nn.Module, make_inputs: Callable[[], tuple], *, streams: int = 4,
-                          scheduler: str = "critical_path", rtol: float = 1e-5, steps: int = 2,
+                          scheduler: str = "critical_path", rtol: float = 1e-5, grad_rtol: float = 1e-4,
+                          steps: int = 2,
                           device: str = "cpu", **optimize_kw) -> torch.nn.Module:
     """Run a deep copy of ``model`` and the optimized model on the same fresh inputs and seeds.
 
-    Checks outputs, parameter gradients and buffers (BatchNorm statistics, counters) after
+    Checks outputs and buffers to ``rtol``, all parameter gradients together to ``rtol`` and
+    each one to ``grad_rtol``; outputs, parameter gradients and buffers (BatchNorm statistics, counters) after
     each of ``steps`` forward+backward passes. Returns the optimized module.
     """
     reference = copy.deepcopy(model).to(device)
@@ -61,11 +63,18 @@ def compare_with_original(model: torch.nn.Module, make_inputs: Callable[[], tupl
             loss_e.backward()
             loss_a.backward()
         ref_params = dict(reference.named_parameters())
+        grads, ref_grads = [], []
         for name, p in optimized.named_parameters():
             g, ge = p.grad, ref_params[name].grad
             assert (g is None) == (ge is None), f"grad presence differs for {name}"
             if g is not None:
-                assert_close_rel(g, ge, rtol, f"step {step} grad {name}")
+                # Per tensor, allow fp32 reassociation: branch gradients reach a shared input in
+                # the order their forward ops were issued, which the schedule changes.
+                assert_close_rel(g, ge, grad_rtol, f"step {step} grad {name}")
+                grads.append(g.flatten())
+                ref_grads.append(ge.flatten())
+        if grads:
+            assert_close_rel(torch.cat(grads), torch.cat(ref_grads), rtol, f"step {step} all grads")
         ref_buffers = dict(reference.named_buffers())
         for name, b in optimized.named_buffers():
             assert_close_rel(b.float(), ref_buffers[name].float(), rtol, f"step {step} buffer {name}")

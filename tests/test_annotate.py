@@ -1,0 +1,95 @@
+"""The annotation pass sees every kind of mutation and random draw, and leaves no trace."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from concur.annotate import RNG, annotate, statically_mutated_args
+from concur.capture import trace
+from concur.graph import operation_nodes
+
+
+class Mutations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        a = x * 1.0
+        a.add_(1)                 # method
+        b = x * 2.0
+        F.relu(b, True)           # positional inplace flag
+        c = x * 3.0
+        self.act(c)               # inplace module
+        d = x * 4.0
+        d += 1                    # operator.iadd (fx traces it as add)
+        self.count.add_(1)        # buffer
+        e = x * 5.0
+        torch.clamp(e, 0, 1, out=e)  # out=
+        return a + b + c + d + e
+
+
+def _facts_by_target():
+    gm = trace(Mutations())
+    annotate(gm, (torch.randn(2, 3),))
+    out = {}
+    for n in operation_nodes(gm.graph):
+        out.setdefault(str(n.target) if n.op != "call_function" else n.target.__name__, []).append(n.meta["concur"])
+    return out
+
+
+def test_every_inplace_form_writes_its_input():
+    f = _facts_by_target()
+    assert f["add_"][0].writes and f["add_"][1].writes   # a.add_ and self.count.add_
+    assert f["relu"][0].writes
+    assert f["act"][0].writes
+    assert f["clamp"][0].writes
+    assert not f["mul"][0].writes
+
+
+def test_static_rules_cover_mutations_that_did_not_fire():
+    gm = trace(Mutations())
+    nodes = {n.name: n for n in gm.graph.nodes}
+    mod = dict(gm.named_modules())
+    assert statically_mutated_args(nodes["add_"], None) == [nodes["add_"].args[0]]
+    assert statically_mutated_args(nodes["act"], mod["act"]) == [nodes["act"].args[0]]
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    setitem = g.call_function(operator.setitem, (x, 0, 1.0))
+    assert statically_mutated_args(setitem, None) == [x]
+    aten = g.call_function(torch.ops.aten.add_.Tensor, (x, x))
+    assert x in statically_mutated_args(aten, None)
+
+
+def test_random_draws_are_detected_in_train_mode_only():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    for training, expected in ((True, True), (False, False)):
+        gm = trace(model.train(training))
+        annotate(gm, (torch.randn(2, 4),))
+        drop = [n for n in operation_nodes(gm.graph) if n.target == "1"][0]
+        assert (RNG in drop.meta["concur"].writes) is expected
+
+
+def test_annotation_restores_state_and_inputs():
+    model = Mutations()
+    gm = trace(model)
+    x = torch.randn(2, 3)
+    x_before = x.clone()
+    rng = torch.random.get_rng_state()
+    annotate(gm, (x,))
+    assert model.count.item() == 0
+    assert torch.equal(x, x_before)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_flops_and_bytes_are_recorded():
+    gm = trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
+    annotate(gm, (torch.randn(1, 3, 10, 10),))
+    conv = operation_nodes(gm.graph)[0].meta["concur"]
+    assert conv.flops == 2 * 8 * 8 * 8 * 3 * 3 * 3
+    assert conv.bytes_moved > 0 and conv.launches_kernel
