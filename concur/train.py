@@ -1,0 +1,232 @@
+"""One training step (forward, loss, backward, optimizer step) as a replayed CUDA graph with streams inside.
+
+At small batches eager PyTorch is bound by the CPU launching kernels, and
+streams in eager mode only add launch work. Inside a captured CUDA graph the
+launches cost nothing at replay, so the concurrency of the plan shows. Hence
+the whole step is captured once per input shape and replayed.
+
+Capture needs warm-up iterations (cuBLAS/cuDNN handles, optimizer state,
+autograd's lazy buffers) and those *train*. So model parameters, buffers and
+optimizer state are snapshotted before warm-up and restored after capture, in
+place (the graph keeps the same addresses): the first replay is then exactly
+the user's first step. A failed capture restores the snapshot too, then falls
+back to fewer streams and finally to eager execution, with one warning each.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from . import api
+from .annotate import tensors_in
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _signature(inputs: tuple, targets: Any) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors_in((inputs, targets)))
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    static_inputs: tuple
+    static_targets: Any
+    static_loss: torch.Tensor
+    streams: int
+
+
+class _Snapshot:
+    """Copies of parameters, buffers, gradients and optimizer state, restorable in place."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
+        self.grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
+        self.state_keys = {p: set(s) for p, s in optimizer.state.items()}
+        self.state = {(p, k): v.detach().clone() for p, s in optimizer.state.items()
+                      for k, v in s.items() if isinstance(v, torch.Tensor)}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for live, saved in self.tensors:
+            live.copy_(saved)
+        for p, g in self.grads.items():
+            p.grad = g
+        for p, s in self.optimizer.state.items():
+            for k, v in list(s.items()):
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if (p, k) in self.state:
+                    v.copy_(self.state[(p, k)])
+                else:  # created by warm-up: a fresh optimizer's state is zeros (Adam, SGD momentum)
+                    v.zero_()
+
+
+def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Set ``capturable=True`` where the optimizer has it (Adam, AdamW, ...), moving step counters."""
+    for group in optimizer.param_groups:
+        if "capturable" in group and not group["capturable"]:
+            group["capturable"] = True
+            for p in group["params"]:
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) and group.get("dampening", 0):
+            raise ValueError("train_step with cuda_graph=True does not support SGD dampening != 0: the "
+                             "captured step always takes the 'momentum buffer exists' branch, so the "
+                             "first step would differ from eager PyTorch. Use cuda_graph=False.")
+
+
+class TrainStep:
+    """Callable ``step(inputs, targets) -> loss`` running one optimizer step; see :func:`train_step`."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                 example_batch: tuple, streams: int, cuda_graph: bool, scheduler: str,
+                 max_graphs: int, warmup: int):
+        inputs, _ = example_batch
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.requested_streams = streams
+        self.scheduler = scheduler
+        self.max_graphs, self.warmup = max_graphs, warmup
+        self.modules = {streams: api.optimize(model, _as_tuple(inputs), streams=streams, scheduler=scheduler)}
+        on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
+        if cuda_graph and not on_cuda:
+            warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
+                          "in issue order (same results as the plain loop).", stacklevel=3)
+        self.cuda_graph = cuda_graph and on_cuda
+        if self.cuda_graph:
+            _check_optimizer(optimizer)
+            _make_capturable(optimizer)
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.eager_shapes: set[tuple] = set()
+        self._warned: set[str] = set()
+
+    @property
+    def module(self) -> nn.Module:
+        """The concurrent module with the requested stream count."""
+        return self.modules[self.requested_streams]
+
+    def _module(self, streams: int) -> nn.Module:
+        if streams not in self.modules:
+            self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
+                                                 scheduler=self.scheduler)
+        return self.modules[streams]
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=3)
+
+    def eager_step(self, inputs: tuple, targets: Any, module: nn.Module | None = None) -> torch.Tensor:
+        """One step without a graph: zero_grad, forward, loss, backward, optimizer.step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn((module or self.module)(*inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
+        inputs = _as_tuple(inputs)
+        if not self.cuda_graph:
+            return self.eager_step(inputs, targets)
+        key = _signature(inputs, targets)
+        captured = self.graphs.get(key)
+        if captured is None and key not in self.eager_shapes:
+            self._example = inputs
+            captured = self._capture_with_fallback(inputs, targets, key)
+        if captured is None:
+            return self.eager_step(inputs, targets, self._module(1))
+        self.graphs.move_to_end(key)
+        for static, new in zip(tensors_in((captured.static_inputs, captured.static_targets)),
+                               tensors_in((inputs, targets))):
+            static.copy_(new, non_blocking=True)
+        captured.graph.replay()
+        # A clone: the static loss is overwritten by the next replay, and users keep losses.
+        return captured.static_loss.detach().clone()
+
+    def _capture_with_fallback(self, inputs: tuple, targets: Any, key: tuple) -> _Captured | None:
+        attempts = [self.requested_streams] + ([1] if self.requested_streams > 1 else [])
+        for streams in attempts:
+            try:
+                captured = self._capture(inputs, targets, streams)
+            except Exception as exc:  # OOM or an op that cannot be captured
+                self._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                                "falling back to " + ("1 stream." if streams > 1 else "eager execution."))
+                torch.cuda.empty_cache()
+                continue
+            if len(self.graphs) >= self.max_graphs:
+                evicted, _ = self.graphs.popitem(last=False)
+                self._warn_once(f"concur.train_step: more than {self.max_graphs} input shapes; "
+                                "evicting the least recently used captured graph.")
+            self.graphs[key] = captured
+            return captured
+        self.eager_shapes.add(key)
+        return None
+
+    def _capture(self, inputs: tuple, targets: Any, streams: int) -> _Captured:
+        module = self._module(streams)
+        snapshot = _Snapshot(self.model, self.optimizer)
+        clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        static_inputs = tuple(clone(x) for x in inputs)
+        static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
+            type(targets)(clone(t) for t in targets)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.eager_step(static_inputs, static_targets, module)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                loss = self.loss_fn(module(*static_inputs), static_targets)
+                loss.backward()
+                self.optimizer.step()
+        finally:
+            snapshot.restore()
+            torch.cuda.synchronize()
+        return _Captured(graph, static_inputs, static_targets, loss, streams)
+
+
+def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_batch: tuple,
+               streams: int | str = 4, cuda_graph: bool = True, *, scheduler: str = "critical_path",
+               max_graphs: int = 4, warmup: int = 3) -> TrainStep:
+    """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
+
+    ``example_batch`` is ``(inputs, targets)``; inputs are a tensor or a tuple
+    of the model's positional inputs; ``loss_fn(model_output, targets)``
+    returns a scalar. With CUDA and ``cuda_graph=True`` the step (forward with
+    the concurrent plan, backward, optimizer step) is captured once per input
+    shape and replayed; ``streams=1`` is the serial baseline through the same
+    path. Without CUDA it runs eagerly in the plan's issue order.
+    """
+    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
+        raise TypeError("example_batch must be a pair (inputs, targets)")
+    if streams == "auto":
+        streams = _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler)
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
+    return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
+                     max_graphs, warmup)
+
+
+def _predicted_stream_count(model: nn.Module, inputs: tuple, scheduler: str) -> int:
+    """Fewest streams reaching 97% of the best predicted speedup (the measured tuner is issue #4)."""
+    speedups = api.inspect(model, inputs, scheduler=scheduler).predicted_speedup
+    best = max(speedups.values())
+    return min(k for k, v in speedups.items() if v >= 0.97 * best)

@@ -1,0 +1,29 @@
+"""Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
+
+Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait]
+CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
+"""
+
+import sys
+
+import torch
+import torchvision
+
+import concur
+from concur._torch_compat import cuda_sanitizer
+from concur.runtime import StreamRuntime
+
+if "--plant-missing-wait" in sys.argv:
+    StreamRuntime.wait = lambda self, event: None  # the planted bug CSAN must report
+
+with cuda_sanitizer():
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).cuda().train()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    y = torch.randint(0, 1000, (4,), device="cuda")
+    step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01,
+                             momentum=0.9), (x, y), streams=4, cuda_graph=False)
+    for _ in range(2):
+        loss = step(torch.randn_like(x), y)
+    torch.cuda.synchronize()
+    print(f"sanitized run finished, loss {loss.item():.4f}, streams {step.module.schedule.num_streams}")

@@ -1,0 +1,171 @@
+"""GPU tests (run on the device machine): equality with 4 streams, CSAN, sleep-proven waits, training."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torchvision  # noqa: E402
+
+import concur  # noqa: E402
+from concur.runtime import StreamRuntime  # noqa: E402
+from tests.conftest import compare_with_original, requires_cuda  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def exact_math():
+    flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = flags
+
+
+MODELS = {
+    "googlenet": (lambda: torchvision.models.googlenet(weights=None, aux_logits=True, init_weights=False,
+                                                        dropout=0.0, dropout_aux=0.0), 224, 8),
+    "inception_v3": (lambda: torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False,
+                                                              dropout=0.0), 299, 8),
+    "resnet50": (lambda: torchvision.models.resnet50(weights=None), 224, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_optimize_matches_original_with_4_streams(name):
+    make, size, batch = MODELS[name]
+    torch.manual_seed(0)
+    cm = compare_with_original(make().train(), lambda: (torch.randn(batch, 3, size, size),), streams=4,
+                               device="cuda", steps=2)
+    assert cm.schedule.num_streams > 1
+
+
+def _sanitized(*flags):
+    return subprocess.run([sys.executable, "-m", "tests.gpu_sanitized_run", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_sanitizer_reports_no_race():
+    run = _sanitized()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "CSAN" not in run.stderr
+
+
+def test_sanitizer_reports_a_planted_missing_wait():
+    run = _sanitized("--plant-missing-wait")
+    assert run.returncode != 0 and "CSAN" in (run.stdout + run.stderr)
+
+
+class Sleepy(nn.Module):
+    """Doubles its input after keeping its stream busy for ~50 ms."""
+
+    def forward(self, x):
+        torch.cuda._sleep(100_000_000)
+        return x * 2.0
+
+
+class TwoSlowBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.left, self.right = Sleepy(), Sleepy()
+
+    def forward(self, x):
+        s = self.stem(x)
+        return self.left(s + 1.0) - self.right(s - 1.0)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["waits", "waits_removed"])
+def test_sleeping_branch_shows_the_waits_are_real(planted, monkeypatch):
+    model = TwoSlowBranches().cuda()
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    cm = concur.optimize(model, (x,), streams=2, scheduler="fork", leaf_modules=[Sleepy])
+    assert cm.schedule.num_streams == 2
+    if planted:
+        monkeypatch.setattr(StreamRuntime, "wait", lambda self, event: None)
+    mismatches = 0
+    for _ in range(3):
+        x = torch.randn(2, 3, 16, 16, device="cuda")
+        with torch.no_grad():
+            got = cm(x)
+            expected = model(x)
+        mismatches += not torch.allclose(got, expected)
+    assert mismatches == (3 if planted else 0)
+
+
+def _train(model, opt, batches, step=None):
+    losses = []
+    for x, y in batches:
+        if step is not None:
+            losses.append(step(x, y).item())
+            continue
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = _loss(out, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _loss(out, y):
+    ce = nn.functional.cross_entropy
+    if isinstance(out, tuple):
+        aux = [a for a in out[1:] if a is not None]
+        return ce(out[0], y) + sum(0.3 * ce(a, y) for a in aux)
+    return ce(out, y)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_step_graph_with_4_streams_matches_eager_for_50_steps(name, optimizer):
+    make, size, batch = MODELS[name]
+    if optimizer == "adam" and name != "googlenet":
+        pytest.skip("Adam is checked on GoogLeNet only, to keep the GPU suite short")
+    torch.manual_seed(0)
+    model = make().cuda().train()
+    ref = copy.deepcopy(model)
+    make_opt = (lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)) if optimizer == "sgd" else \
+        (lambda p: torch.optim.Adam(p, lr=1e-4))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
+                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(50)]
+    opt = make_opt(model.parameters())
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4, cuda_graph=True)
+    losses = _train(model, opt, batches, step)
+    assert step.graphs and next(iter(step.graphs.values())).streams == 4, "the 4-stream graph must be used"
+    expected = _train(ref, make_opt(ref.parameters()), batches)
+    assert losses[:5] == pytest.approx(expected[:5], rel=1e-4)
+    assert losses == pytest.approx(expected, rel=2e-3)
+    p = torch.cat([q.detach().flatten() for q in model.parameters()])
+    pr = torch.cat([q.detach().flatten() for q in ref.parameters()])
+    assert ((p - pr).norm() / pr.norm()).item() < 1e-4
+    bn = torch.cat([b.float().flatten() for b in model.buffers()])
+    bnr = torch.cat([b.float().flatten() for b in ref.buffers()])
+    assert ((bn - bnr).norm() / bnr.norm()).item() < 1e-3
+
+
+def test_train_step_smaller_last_batch_gets_its_own_graph():
+    make, size, _ = MODELS["googlenet"]
+    torch.manual_seed(0)
+    model = make().cuda().train()
+    ref = copy.deepcopy(model)
+    batches = [(torch.randn(n, 3, 64, 64, device="cuda"), torch.randint(0, 1000, (n,), device="cuda"))
+               for n in (8, 8, 3, 8)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4)
+    losses = _train(model, opt, batches, step)
+    expected = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), batches)
+    assert len(step.graphs) == 2
+    assert losses == pytest.approx(expected, rel=1e-4)

@@ -1,0 +1,95 @@
+"""train_step on CPU trains exactly like the plain loop (same plan, issue order)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import concur
+from tests.models import DropoutBranches, WideNet
+
+
+def plain_loop(model, loss_fn, opt, batches):
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=1e-3),
+    lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
+], ids=["sgd_momentum", "adam", "adamw"])
+def test_train_step_matches_plain_loop(make_opt):
+    torch.manual_seed(0)
+    model = WideNet(branches=6)
+    ref = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(5)]
+    with pytest.warns(UserWarning, match="no CUDA"):
+        step = concur.train_step(model, loss_fn, make_opt(model.parameters()), batches[0], streams=4)
+    losses = [step(x, y).item() for x, y in batches]
+    expected = plain_loop(ref, loss_fn, make_opt(ref.parameters()), batches)
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    for b, c in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_dropout_is_seeded_like_plain_loop():
+    torch.manual_seed(0)
+    model = DropoutBranches().train()
+    ref = copy.deepcopy(model)
+    loss_fn = lambda out, y: (out - y).square().mean()  # noqa: E731
+    batches = [(torch.randn(4, 16), torch.randn(4, 16)) for _ in range(3)]
+    step = concur.train_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), batches[0],
+                             cuda_graph=False)
+    torch.manual_seed(5)
+    losses = [step(x, y).item() for x, y in batches]
+    torch.manual_seed(5)
+    expected = plain_loop(ref, loss_fn, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
+    assert losses == pytest.approx(expected, rel=1e-6)
+
+
+def test_train_step_googlenet_with_aux_outputs():
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, aux_logits=True, init_weights=False, dropout=0.0,
+                                         dropout_aux=0.0)
+    ref = copy.deepcopy(model)
+
+    def loss_fn(out, y):
+        ce = nn.functional.cross_entropy
+        return ce(out.logits, y) + 0.3 * ce(out.aux_logits1, y) + 0.3 * ce(out.aux_logits2, y)
+
+    batches = [(torch.randn(2, 3, 64, 64), torch.randint(0, 1000, (2,))) for _ in range(2)]
+    step = concur.train_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                             batches[0], streams=4, cuda_graph=False)
+    losses = [step(x, y).item() for x, y in batches]
+    expected = plain_loop(ref, loss_fn, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), batches)
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_train_step_rejects_bad_arguments():
+    model = WideNet(branches=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="pair"):
+        concur.train_step(model, nn.MSELoss(), opt, torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="streams"):
+        concur.train_step(model, nn.MSELoss(), opt, (torch.randn(1, 3, 8, 8), torch.randn(1, 10)), streams=0)
+
+
+def test_auto_streams_picks_a_count_from_the_predicted_curve():
+    model = WideNet(branches=8)
+    step = concur.train_step(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                             (torch.randn(2, 3, 8, 8), torch.randn(2, 10)), streams="auto", cuda_graph=False)
+    assert 2 <= step.requested_streams <= 8
