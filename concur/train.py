@@ -197,6 +197,9 @@ class TrainStep:
                 loss = self.loss_fn(module(*static_inputs), static_targets)
                 loss.backward()
                 self.optimizer.step()
+            # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
+            # nodes alive, bound to this capture's stream, and a later capture would reuse them.
+            loss = loss.detach()
         finally:
             snapshot.restore()
             torch.cuda.synchronize()
