@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 timeout 420 python3 -m pytest -m cuda -q --no-header -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 if [ "${1:-}" != "tests" ]; then
-  args="--repeats 30"
+  args="--repeats 20 --streams 2 4 8"
   [ "${1:-}" = "quick" ] && args="--models googlenet inception_v3 --batches 8 64 --repeats 20"
   python3 experiments/bench_train.py $args --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -30
 fi
