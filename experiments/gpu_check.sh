@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 420 python3 -m pytest -m cuda -q --no-header -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+timeout 420 python3 -m pytest -m cuda -q -s --no-header -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 if [ "${1:-}" != "tests" ]; then
   args="--repeats 20 --streams 2 4 8"
   [ "${1:-}" = "quick" ] && args="--models googlenet inception_v3 --batches 8 64 --repeats 20"

@@ -1,6 +1,6 @@
 """Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
 
-Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait]
+Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--inception]
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
 
@@ -18,8 +18,10 @@ if "--plant-missing-wait" in sys.argv:
 
 with cuda_sanitizer():
     torch.manual_seed(0)
-    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).cuda().train()
-    x = torch.randn(4, 3, 64, 64, device="cuda")
+    name = "inception_v3" if "--inception" in sys.argv else "googlenet"
+    model = torchvision.models.get_model(name, weights=None, aux_logits=False, init_weights=False).cuda().train()
+    size = 75 if name == "inception_v3" else 64
+    x = torch.randn(4, 3, size, size, device="cuda")
     y = torch.randint(0, 1000, (4,), device="cuda")
     step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01,
                              momentum=0.9), (x, y), streams=4, cuda_graph=False)

@@ -44,18 +44,33 @@ MODELS = {
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_optimize_matches_original_with_4_streams(name):
-    """Outputs to 1e-5; gradients to 1e-5 over all parameters together.
+    """Outputs to 1e-5, and gradients as close as reordering alone allows.
 
-    Per tensor, gradients may differ by more than fp32 rounding: the plan issues
-    branches in another order, so autograd sums branch gradients in another
-    order, and BatchNorm's backward amplifies that where its terms cancel
-    (measured on the H100: up to 1.2e-3 on one Inception-v3 conv weight).
+    The plan issues branches in another order, so autograd sums branch
+    gradients in another order, and BatchNorm's backward amplifies that where
+    its terms cancel (Inception-v3 on the H100: 2e-4 over all gradients). So the
+    4-stream gradients must be within 4x of the same plan code run on one
+    stream (reordered, but no concurrency possible), or 1e-5.
     """
     make, size, batch = MODELS[name]
     torch.manual_seed(0)
-    cm = compare_with_original(make().train(), lambda: (torch.randn(batch, 3, size, size),), streams=4,
-                               device="cuda", steps=2, grad_rtol=1e-2)
-    assert cm.schedule.num_streams > 1
+    model = make().train().cuda()
+    copies = [copy.deepcopy(model) for _ in range(3)]
+    x = torch.randn(batch, 3, size, size, device="cuda")
+    ref, one, four = copies[0], concur.optimize(copies[1], (x,), streams=1), concur.optimize(copies[2], (x,), streams=4)
+    assert four.schedule.num_streams > 1
+    grads, outs = [], []
+    for m in (ref, one, four):
+        out = m(x)
+        logits = out[0] if isinstance(out, tuple) else out
+        (logits.float() * torch.linspace(0.5, 1.5, logits.numel(), device="cuda").view_as(logits)).sum().backward()
+        outs.append(logits.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(outs[2], outs[0]) < 1e-5
+    e1, e4 = rel(grads[1], grads[0]), rel(grads[2], grads[0])
+    print(f"{name}: gradient rel. error 1 stream {e1:.2e}, 4 streams {e4:.2e}")
+    assert e4 <= max(1e-5, 4 * e1), f"4 streams {e4:.2e} vs reordering alone {e1:.2e}"
 
 
 def _sanitized(*flags):
@@ -63,8 +78,9 @@ def _sanitized(*flags):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_sanitizer_reports_no_race():
-    run = _sanitized()
+@pytest.mark.parametrize("model_flag", [[], ["--inception"]], ids=["googlenet", "inception_v3"])
+def test_sanitizer_reports_no_race(model_flag):
+    run = _sanitized(*model_flag)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "CSAN" not in run.stderr
 
@@ -148,7 +164,7 @@ def _perturbed(model, rel=1e-6):
 def test_train_step_graph_with_4_streams_matches_eager_for_50_steps(name, optimizer):
     """50 replays of the 4-stream whole-step graph against the plain eager loop.
 
-    The first steps must agree to 1e-4. Later, fp32 differences compound
+    The first step must agree to 1e-5. Later, fp32 differences compound
     through training, so the tolerance is the envelope of the eager loop
     itself: the same loop started from parameters perturbed by 1e-6 relative.
     concur must stay within 4x that envelope (plus 1e-4).
@@ -173,7 +189,7 @@ def test_train_step_graph_with_4_streams_matches_eager_for_50_steps(name, optimi
     deviation = ((losses - expected).abs() / expected.abs()).cummax(0).values
     allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-4
     print(f"{name}/{optimizer}: max loss deviation {deviation[-1]:.2e}, envelope {allowed[-1]:.2e}")
-    assert (deviation[:3] < 1e-4).all(), f"first steps differ: {deviation[:3]}"
+    assert deviation[0] < 1e-5, "the first step must match"
     assert (deviation <= allowed).all(), f"deviation {deviation} exceeds envelope {allowed}"
     p = torch.cat([q.detach().flatten() for q in model.parameters()])
     pr = torch.cat([q.detach().flatten() for q in ref.parameters()])
@@ -185,13 +201,17 @@ def test_train_step_smaller_last_batch_gets_its_own_graph():
     make, size, _ = MODELS["googlenet"]
     torch.manual_seed(0)
     model = make().cuda().train()
-    ref = copy.deepcopy(model)
+    ref, twin = copy.deepcopy(model), _perturbed(model)
     batches = [(torch.randn(n, 3, 64, 64, device="cuda"), torch.randint(0, 1000, (n,), device="cuda"))
-               for n in (8, 8, 3, 8)]
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+               for n in (8, 8, 3, 8, 8, 3)]
+    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    opt = make_opt(model.parameters())
     step = concur.train_step(model, _loss, opt, batches[0], streams=4)
-    losses = _train(model, opt, batches, step)
-    expected = _train(ref, torch.optim.SGD(ref.parameters(), lr=1e-3, momentum=0.9), batches)
-    assert len(step.graphs) == 2
-    assert losses == pytest.approx(expected, rel=1e-4)
-    assert step.graphs[next(reversed(step.graphs))].streams == 4
+    losses = torch.tensor(_train(model, opt, batches, step))
+    expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
+    envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
+    assert len(step.graphs) == 2 and all(c.streams == 4 for c in step.graphs.values())
+    deviation = (losses - expected).abs() / expected.abs()
+    allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-4
+    print(f"mixed batch sizes: deviation {deviation.tolist()}, allowed {allowed.tolist()}")
+    assert deviation[0] < 1e-5 and (deviation <= allowed).all()
