@@ -56,38 +56,48 @@ def _time_ms(fn, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _gradients(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cudnn.allow_tf32 = False  # the check compares fp32 results, not TF32 noise
     torch.manual_seed(0)
     model = build_model(args.model).train().to(device)
-    reference = copy.deepcopy(model)
+    reference, serial_copy = copy.deepcopy(model), copy.deepcopy(model)
     example = _example(args, device)
-    profile = "h100" if device == "cpu" else None
-    cost = AnalyticCost(ROOFLINES[profile]) if profile else None
+    cost = AnalyticCost(ROOFLINES["h100"]) if device == "cpu" else None
     print(f"concur demo: {args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, on {device}")
-    print(api.inspect(model, example, cost_model=cost) if cost else api.inspect(model, example))
+    print(api.inspect(model, example, cost_model=cost))
     cm = api.optimize(model, example, streams=args.streams, cost_model=cost)
+    serial = api.optimize(serial_copy, example, streams=1, cost_model=cost)
     print(_plan_summary(cm))
 
     x = _example(args, device)[0]
-    torch.manual_seed(1)
-    out_ref = reference(x)
-    torch.manual_seed(1)
-    out = cm(x)
-    out_ref.square().mean().backward()
-    out.square().mean().backward()
-    out_err = _max_rel_error(out, out_ref)
-    grads = torch.cat([p.grad.flatten() for p in cm.parameters() if p.grad is not None])
-    ref_grads = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None])
-    grad_err = _max_rel_error(grads, ref_grads)
-    ok = out_err < 1e-5 and grad_err < 1e-5
-    print(f"check against the original model: output rel. error {out_err:.2e}, "
-          f"gradient rel. error {grad_err:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    out_ref, g_ref = _gradients(reference, x)
+    out_one, g_one = _gradients(serial, x)
+    out, g = _gradients(cm, x)
+    out_err, grad_err, reorder_err = _max_rel_error(out, out_ref), _max_rel_error(g, g_ref), \
+        _max_rel_error(g_one, g_ref)
+    # Reordering alone changes the order autograd sums branch gradients in; concurrency must add nothing.
+    ok = out_err < 1e-5 and grad_err <= max(1e-5, 4 * reorder_err)
+    print(f"check against the original model: output rel. error {out_err:.2e}, gradient rel. error "
+          f"{grad_err:.2e} (same plan on one stream: {reorder_err:.2e}) -> {'OK' if ok else 'MISMATCH'}")
     if device == "cuda":
-        serial = api.optimize(reference, example, streams=1)
-        for name, m in (("serial (1 stream)", serial), (f"concur ({cm.schedule.num_streams} streams)", cm)):
-            print(f"eager forward+backward, {name}: "
-                  f"{_time_ms(lambda: m(x).square().mean().backward()):.2f} ms")
+        torch.backends.cudnn.allow_tf32 = True
+        from .train import train_step
+
+        y = torch.randint(0, 1000, (args.batch_size,), device=device)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for label, streams in (("serial CUDA graph", 1), (f"concur CUDA graph, {args.streams} streams", args.streams)):
+            m = copy.deepcopy(reference)
+            step = train_step(m, loss_fn, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), (x, y),
+                              streams=streams)
+            print(f"training step, {label}: {_time_ms(lambda: step(x, y)):.2f} ms")
     else:
         print("no GPU here: the plan ran in its issue order on the CPU; timings need CUDA.")
     return 0 if ok else 1
