@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from typing import Sequence
 
 import torch
 
 from . import api
 from .cost import ROOFLINES, AnalyticCost
+from .timing import time_cuda_ms
 from .zoo import build_model
 
 
@@ -39,21 +39,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _max_rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def _time_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _gradients(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +82,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             m = copy.deepcopy(reference)
             step = train_step(m, loss_fn, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), (x, y),
                               streams=streams)
-            print(f"training step, {label}: {_time_ms(lambda: step(x, y)):.2f} ms")
+            print(f"training step, {label}: {time_cuda_ms(lambda: step(x, y))[0]:.2f} ms")
     else:
         print("no GPU here: the plan ran in its issue order on the CPU; timings need CUDA.")
     return 0 if ok else 1

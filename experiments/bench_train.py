@@ -16,7 +16,6 @@ import argparse
 import copy
 import datetime
 import json
-import statistics
 import sys
 import time
 
@@ -25,6 +24,7 @@ import torch.nn as nn
 import torchvision
 
 import concur
+from concur.timing import time_cuda_ms
 
 MODELS = {
     "googlenet": (lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False), 224),
@@ -33,23 +33,6 @@ MODELS = {
     "resnet50": (lambda: torchvision.models.resnet50(weights=None), 224),
 }
 DEFAULT_BATCHES = {"googlenet": [8, 32, 64, 128], "inception_v3": [8, 32, 64, 128], "resnet50": [8, 64]}
-
-
-def time_ms(fn, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median and interquartile range (ms) of ``fn`` timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=4)
-    return statistics.median(times), q[2] - q[0]
 
 
 def measure(name: str, batch: int, streams_list: list[int], repeats: int) -> list[dict]:
@@ -84,7 +67,7 @@ def measure(name: str, batch: int, streams_list: list[int], repeats: int) -> lis
 
             def fn():
                 step(x, y)
-        median, iqr = time_ms(fn, warmup=5, repeats=repeats)
+        median, iqr = time_cuda_ms(fn, warmup=5, repeats=repeats)
         row = dict(model=name, batch=batch, variant=label, ms=median, iqr_ms=iqr, setup_s=setup_s,
                    peak_mb=(torch.cuda.max_memory_allocated() - before) / 2**20)
         if streams is not None:
