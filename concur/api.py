@@ -45,8 +45,11 @@ class ConcurModule(nn.Module):
         self._plans: dict[tuple[bool, ...], Plan] = {}
         self._plan_for(example_inputs)
 
+    def _mode_key(self) -> tuple[bool, ...]:
+        return tuple(m.training for m in self.modules())
+
     def _plan_for(self, inputs: tuple) -> Plan:
-        key = tuple(m.training for m in self.modules())
+        key = self._mode_key()
         plan = self._plans.get(key)
         if plan is None:
             self.original.training = self.training  # the root's own flag is read by its forward
@@ -62,7 +65,7 @@ class ConcurModule(nn.Module):
     @property
     def plan(self) -> Plan:
         """The plan of the current train/eval mode (built on first use of that mode)."""
-        key = tuple(m.training for m in self.modules())
+        key = self._mode_key()
         if key not in self._plans:
             raise RuntimeError("no plan for this train/eval mode yet: call the module once first")
         return self._plans[key]

@@ -61,6 +61,14 @@ def build_dag(graph: fx.Graph) -> nx.DiGraph:
     return dag
 
 
+def is_free_source(dag: nx.DiGraph, name: str) -> bool:
+    """Return True if the op launches no kernel and depends on nothing (e.g. a view of a buffer).
+
+    Such an op does no GPU work, so no stream ever needs to wait for it.
+    """
+    return not dag.nodes[name]["facts"].launches_kernel and dag.in_degree(name) == 0
+
+
 def hazard_edges(ops: list[fx.Node]) -> set[tuple[str, str]]:
     """Return (earlier, later) pairs ordered by read/write conflicts on a shared storage."""
     last_writer: dict[Hashable, str] = {}

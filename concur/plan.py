@@ -18,7 +18,7 @@ from .capture import LeafSpec, trace
 from .codegen import event_count, generate
 from .cost import AnalyticCost, CostModel, assign_costs, roofline_for
 from .errors import PlanError
-from .graph import build_dag
+from .graph import build_dag, is_free_source
 from .runtime import StreamRuntime
 from .verify import verify_generated
 
@@ -71,8 +71,7 @@ def hoistable(dag: nx.DiGraph) -> frozenset[str]:
     stream, and nobody needs to wait for them; left to the scheduler they could
     land on a side stream and cost a pointless event wait.
     """
-    return frozenset(n for n, d in dag.nodes(data=True)
-                     if not d["facts"].launches_kernel and dag.in_degree(n) == 0)
+    return frozenset(n for n in dag if is_free_source(dag, n))
 
 
 def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, scheduler: str,

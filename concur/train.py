@@ -48,10 +48,9 @@ class _Snapshot:
     """Copies of parameters, buffers, gradients and optimizer state, restorable in place."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+        self.optimizer = optimizer
         self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
         self.grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
-        self.state_keys = {p: set(s) for p, s in optimizer.state.items()}
         self.state = {(p, k): v.detach().clone() for p, s in optimizer.state.items()
                       for k, v in s.items() if isinstance(v, torch.Tensor)}
 
@@ -101,7 +100,8 @@ class TrainStep:
         self.requested_streams = streams
         self.scheduler = scheduler
         self.max_graphs, self.warmup = max_graphs, warmup
-        self.modules = {streams: api.optimize(model, _as_tuple(inputs), streams=streams, scheduler=scheduler)}
+        self._example = _as_tuple(inputs)  # plans for other stream counts are built from it
+        self.modules = {streams: api.optimize(model, self._example, streams=streams, scheduler=scheduler)}
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         if cuda_graph and not on_cuda:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
@@ -145,7 +145,6 @@ class TrainStep:
         key = _signature(inputs, targets)
         captured = self.graphs.get(key)
         if captured is None and key not in self.eager_shapes:
-            self._example = inputs
             captured = self._capture_with_fallback(inputs, targets, key)
         if captured is None:
             return self.eager_step(inputs, targets, self._module(1))

@@ -14,6 +14,7 @@ import networkx as nx
 import torch.fx as fx
 
 from .annotate import OP_KINDS
+from .graph import is_free_source
 
 
 def verify_generated(generated: fx.Graph, dag: nx.DiGraph, num_streams: int) -> list[str]:
@@ -44,7 +45,7 @@ def verify_generated(generated: fx.Graph, dag: nx.DiGraph, num_streams: int) -> 
             continue
         if n.name in position:
             problems.append(f"{n.name} issued twice")
-        if not dag.nodes[n.name]["facts"].launches_kernel and dag.in_degree(n.name) == 0:
+        if is_free_source(dag, n.name):
             position[n.name] = (current, 0)  # no GPU work and no inputs: nothing to wait for
             continue
         for pred in dag.predecessors(n.name):
