@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import schedulers
 
-from .capture import LeafSpec
+from .capture import AUTO_LEAVES_META, LeafSpec
 from .cost import CostModel
 from .errors import CaptureError
 from .plan import Plan, analyse, build_plan
@@ -41,7 +41,7 @@ class ConcurModule(nn.Module):
         object.__setattr__(self, "original", model)
         self.training = model.training
         self._options = dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
-                             leaf_modules=tuple(leaf_modules))
+                             leaf_modules=leaf_modules if isinstance(leaf_modules, str) else tuple(leaf_modules))
         self._plans: dict[tuple[bool, ...], Plan] = {}
         self._plan_for(example_inputs)
 
@@ -69,6 +69,11 @@ class ConcurModule(nn.Module):
         if key not in self._plans:
             raise RuntimeError("no plan for this train/eval mode yet: call the module once first")
         return self._plans[key]
+
+    @property
+    def auto_leaves(self) -> tuple[str, ...]:
+        """Paths of the submodules ``leaf_modules="auto"`` kept whole (current mode's plan)."""
+        return self.plan.traced.meta.get(AUTO_LEAVES_META, ())
 
     @property
     def schedule(self) -> schedulers.Schedule:
@@ -104,8 +109,11 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
-    the same plan runs in its issue order. ``fallback="eager"`` returns
-    ``model`` itself, with a warning, when it cannot be traced.
+    the same plan runs in its issue order. ``leaf_modules`` names submodules
+    (types or paths) to keep whole as one opaque operation; ``"auto"`` makes
+    leaves of the submodules fx cannot trace, warns naming them, and lists them
+    in ``auto_leaves``. ``fallback="eager"`` returns ``model`` itself, with a
+    warning, when it cannot be traced.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -133,6 +141,7 @@ class Inspection:
     serial_us: float
     critical_path_us: float
     predicted_speedup: dict[int, float] = field(default_factory=dict)
+    auto_leaves: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         rows = [f"model              {self.model}",
@@ -143,6 +152,8 @@ class Inspection:
                 f"(bound: {self.serial_us / max(self.critical_path_us, 1e-9):.2f}x)",
                 "streams  predicted speedup"]
         rows += [f"{k:>7}  {v:.2f}x" for k, v in self.predicted_speedup.items()]
+        if self.auto_leaves:
+            rows.append(f"auto leaves        {', '.join(self.auto_leaves)} (kept whole: fx cannot trace them)")
         return "\n".join(rows)
 
 
@@ -151,7 +162,7 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
             leaf_modules: LeafSpec = ()) -> Inspection:
     """Return the op count, DAG width, critical path and predicted speedup for 1..max_streams."""
     example_inputs = _check_inputs(model, example_inputs, 1)
-    _, dag = analyse(model, example_inputs, cost_model, leaf_modules)
+    traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
     return Inspection(
         model=type(model).__name__,
         num_ops=dag.number_of_nodes(),
@@ -160,4 +171,5 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
         serial_us=sum(d["cost"] for _, d in dag.nodes(data=True)),
         critical_path_us=schedulers.critical_path_length(dag),
         predicted_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler),
+        auto_leaves=traced.meta.get(AUTO_LEAVES_META, ()),
     )
