@@ -153,7 +153,8 @@ class Inspection:
                 "streams  predicted speedup"]
         rows += [f"{k:>7}  {v:.2f}x" for k, v in self.predicted_speedup.items()]
         if self.auto_leaves:
-            rows.append(f"auto leaves        {', '.join(self.auto_leaves)} (kept whole: fx cannot trace them)")
+            shown = ", ".join(self.auto_leaves[:4]) + (", ..." if len(self.auto_leaves) > 4 else "")
+            rows.append(f"auto leaves        {len(self.auto_leaves)} kept whole, fx cannot trace them: {shown}")
         return "\n".join(rows)
 
 

@@ -19,6 +19,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections import Counter
 from typing import Iterable, Literal, Union
 
 import torch
@@ -116,9 +117,12 @@ def trace(model: torch.nn.Module, leaf_modules: LeafSpec = ()) -> fx.GraphModule
     leaves = tuple(p for p in auto if p in used)
     gm.meta[AUTO_LEAVES_META] = leaves
     if leaves:
-        names = ", ".join(f"{p} ({type(model.get_submodule(p)).__name__})" for p in leaves)
-        warnings.warn(f"concur could not trace {len(leaves)} submodule(s) and keeps each whole as one "
-                      f"opaque operation (leaf_modules='auto'): {names}", UserWarning, stacklevel=_user_stacklevel())
+        types = Counter(type(model.get_submodule(p)).__name__ for p in leaves)
+        kinds = ", ".join(f"{n} {t}" for t, n in types.items())
+        shown = ", ".join(leaves[:8]) + (f", ... ({len(leaves) - 8} more)" if len(leaves) > 8 else "")
+        warnings.warn(f"concur could not trace {len(leaves)} submodule(s) ({kinds}) and keeps each whole as "
+                      f"one opaque operation (leaf_modules='auto'): {shown}; all are listed in "
+                      f"`.auto_leaves`", UserWarning, stacklevel=_user_stacklevel())
     return gm
 
 
