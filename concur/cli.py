@@ -1,4 +1,4 @@
-"""The ``concur`` command: ``inspect`` a model's plan, or run the ``demo``."""
+"""The ``concur`` command: ``inspect`` a model's plan, run the ``demo``, write a ``report``, clear the tuner ``cache``."""
 
 from __future__ import annotations
 
@@ -88,6 +88,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"report written: {path} (numbers in {path.parent / 'report.json'})")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .tune_cache import TunerCache
+
+    cache = TunerCache(args.dir)
+    if args.action == "clear":
+        print(f"removed {cache.clear()} cached tuner choice(s) from {cache.path}")
+    else:
+        entries = cache.entries()
+        print(f"{len(entries)} cached tuner choice(s) in {cache.path}")
+        for e in entries:
+            print(f"  {e.name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="concur", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     insp.set_defaults(func=cmd_inspect)
     demo = sub.add_parser("demo", parents=[common], help="trace, schedule, check and (on a GPU) time a model")
     demo.set_defaults(func=cmd_demo)
+    rep = sub.add_parser("report", help="turn a run directory into one HTML page, PNG plots and JSON")
+    rep.add_argument("run_dir", help="directory holding run.json (written by an experiment)")
+    rep.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    rep.set_defaults(func=cmd_report)
+    cache = sub.add_parser("cache", help="list or clear the tuner's cached choices (streams='auto')")
+    cache.add_argument("action", choices=["clear", "list"])
+    cache.add_argument("--dir", default=None, help="cache directory (default $CONCUR_CACHE_DIR or ~/.cache/concur)")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

@@ -1,0 +1,222 @@
+"""Trace parsing (overlap per step, graph replays, hidden kernels) and the report on a recorded run fixture."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from concur.cli import main
+from concur.profile_trace import load_events, parse_events, parse_trace, profile_steps
+from concur.report import write_report
+from concur.rundir import load_run
+from concur.tune_cache import TunerCache
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RUN = FIXTURES / "run_small"
+SERIAL = RUN / "traces" / "googlenet_b8_serial_graph.json.gz"
+CONCURRENT = RUN / "traces" / "googlenet_b8_concur_4_streams.json.gz"
+
+
+# --- traces ----------------------------------------------------------------------------------------------
+
+def test_serial_graph_replay_trace_has_one_stream_and_no_overlap():
+    s = parse_trace(SERIAL)
+    assert s.streams == (7,) and s.graph_launches == 3 and not s.kernels_hidden
+    assert [st.step for st in s.steps] == [0, 1, 2]
+    for st in s.steps:  # 30 kernels of 20 us with 5 us gaps
+        assert st.kernels == 30 and st.kernel_us == pytest.approx(600) and st.busy_us == pytest.approx(600)
+        assert st.wall_us == pytest.approx(745) and st.overlap == pytest.approx(600 / 745)
+        assert st.concurrency == pytest.approx(1.0)
+
+
+def test_concurrent_trace_overlaps_four_streams():
+    s = parse_trace(CONCURRENT)
+    assert s.streams == (7, 20, 24, 28) and s.graph_launches == 0
+    for st in s.steps:  # stem 100 + 4 x 300 in parallel + join 50 + memset 2
+        assert st.kernels == 15 and st.streams == 4
+        assert st.kernel_us == pytest.approx(1352) and st.wall_us == pytest.approx(452)
+        assert st.busy_us == pytest.approx(452) and st.overlap == pytest.approx(1352 / 452)
+    assert {k.category for k in s.kernels} == {"kernel", "gpu_memset"}
+
+
+def test_graph_replays_without_kernels_are_reported_as_hidden():
+    s = parse_trace(FIXTURES / "trace_graph_hidden.json")
+    assert s.kernels_hidden and s.graph_launches == 3 and s.steps == () and s.mean("overlap") is None
+
+
+def test_a_kernel_belongs_to_the_step_that_launched_it_not_the_one_running_on_the_cpu():
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 50, "dur": 2, "args": {"correlation": 1}},
+        # runs on the GPU while the CPU is already in step 1
+        {"ph": "X", "cat": "kernel", "name": "late", "ts": 150, "dur": 10, "args": {"stream": 7, "correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "orphan", "ts": 150, "dur": 10, "args": {"stream": 9}},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#0", "ts": 0, "dur": 500},
+    ]
+    s = parse_events(events)
+    assert {k.name: k.step for k in s.kernels} == {"late": 0, "orphan": 1}
+    assert len(s.steps) == 2  # the GPU-side annotation is not a step
+
+
+def test_a_trace_without_step_markers_is_one_step():
+    events = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": i * 10, "dur": 10, "tid": 3} for i in range(4)]
+    s = parse_events(events)
+    assert len(s.steps) == 1 and s.steps[0].wall_us == 40 and s.streams == (3,)
+
+
+def test_profile_steps_writes_a_gzipped_trace_with_step_markers(tmp_path):
+    import torch
+
+    x = torch.randn(16, 16)
+    path = profile_steps(lambda: x @ x, tmp_path / "t.json.gz", active=2, warmup=1)
+    names = {e.get("name", "") for e in load_events(path)}
+    assert path.exists() and {"ProfilerStep#1", "ProfilerStep#2"} <= names
+    assert not (tmp_path / "t.json").exists()
+    assert parse_trace(path).kernels == ()  # CPU only: no GPU activity
+
+
+# --- the report ------------------------------------------------------------------------------------------
+
+class Cells(HTMLParser):
+    """Collects (data-key, text) of every element carrying a data-key, and the embedded images."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells, self.images, self._key, self._text = [], [], None, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "data-key" in attrs:
+            self._key, self._text = attrs["data-key"], []
+        if tag == "img":
+            self.images.append(attrs["src"])
+
+    def handle_data(self, data):
+        if self._key is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag):
+        if self._key is not None and tag in ("td", "span"):
+            self.cells.append((self._key, "".join(self._text)))
+            self._key = None
+
+
+def lookup(data, key: str):
+    for part in key.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    html_path = write_report(RUN, out)
+    return out, html_path, json.loads((out / "report.json").read_text())
+
+
+def test_report_writes_html_json_pngs_and_the_traces_for_perfetto(report):
+    out, html_path, data = report
+    assert html_path == out / "index.html" and html_path.stat().st_size > 0
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["googlenet_b8_gantt.png", "googlenet_b8_steptime.png", "googlenet_b8_utilization.png",
+                    "inception_v3_b8_steptime.png", "summary_speedup.png"]
+    for name in ("traces/googlenet_b8_serial_graph.json.gz", "traces/googlenet_b8_concur_4_streams.json.gz"):
+        assert (out / name).read_bytes() == (RUN / name).read_bytes()
+    assert [c["name"] for c in data["cases"]] == ["googlenet b8", "inception_v3 b8"]
+
+
+def test_plots_are_not_blank(report):
+    from matplotlib.image import imread
+
+    out, _, _ = report
+    for png in out.glob("*.png"):
+        pixels = imread(png)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 300, png.name
+        assert pixels[..., :3].std() > 0.05, f"{png.name} looks blank"
+        assert (pixels[..., :3] < 0.9).mean() > 0.01, f"{png.name} has almost nothing drawn"
+
+
+def test_every_number_in_the_html_is_the_number_in_the_json(report):
+    _, html_path, data = report
+    parser = Cells()
+    parser.feed(html_path.read_text())
+    assert len(parser.cells) > 100
+    checked = 0
+    for key, text in parser.cells:
+        value = lookup(data, key)
+        if value is None:
+            assert text == "–", key
+        elif isinstance(value, bool):
+            assert text == ("yes" if value else "NO"), key
+        elif isinstance(value, (int, float)):
+            number = re.fullmatch(r"(-?[\d.]+)(x|%)?", text)
+            assert number, f"{key}: {text!r}"
+            decimals = len(number.group(1).split(".")[1]) if "." in number.group(1) else 0
+            assert abs(float(number.group(1)) - value) <= 0.5 * 10 ** -decimals + 1e-9, f"{key}: {text} vs {value}"
+            checked += 1
+        else:
+            assert text == str(value), key
+    assert checked > 60
+    keys = {k for k, _ in parser.cells}
+    for expected in ("summary.0.tuned_vs_best", "summary.0.within_5pct", "cases.0.variants.4.median_ms",
+                     "cases.0.overlap.1.overlap", "cases.0.phases.0.utilization",
+                     "cases.0.monitor.sampler_cpu_percent", "cases.0.tuner.trials.0.median_ms"):
+        assert expected in keys, expected
+
+
+def test_report_numbers_come_from_the_run(report):
+    _, _, data = report
+    s = data["summary"][0]
+    assert s["best_fixed"] == "4 streams" and s["best_fixed_ms"] == 3.80
+    assert s["tuned_vs_best"] == pytest.approx(3.83 / 3.80) and s["within_5pct"] is True
+    assert s["best_fixed_vs_serial"] == pytest.approx(4.97 / 3.80) and s["lever"] == "capture"
+    case = data["cases"][0]
+    assert [p["label"] for p in case["phases"]] == ["eager", "serial graph", "concur 4 streams"]
+    assert case["phases"][0]["utilization"] == 25.0 and case["phases"][1]["utilization"] == 100.0
+    assert case["overlap"][1]["overlap"] == pytest.approx(1352 / 452)
+    assert case["variants"][6]["error"].startswith("RuntimeError") and case["variants"][6]["vs_serial"] is None
+
+
+def test_every_plot_written_is_embedded_in_the_page(report):
+    out, html_path, _ = report
+    parser = Cells()
+    parser.feed(html_path.read_text())
+    assert len(parser.images) == len(list(out.glob("*.png")))
+    assert all(src.startswith("data:image/png;base64,") for src in parser.images)
+
+
+def test_a_tuner_choice_more_than_5_percent_off_is_flagged(tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(RUN, run_dir)
+    raw = json.loads((run_dir / "run.json").read_text())
+    raw["cases"][0]["variants"][-1]["median_ms"] = 4.2
+    (run_dir / "run.json").write_text(json.dumps(raw))
+    html_path = write_report(run_dir)
+    assert html_path == run_dir / "report" / "index.html"
+    data = json.loads((run_dir / "report" / "report.json").read_text())
+    assert data["summary"][0]["within_5pct"] is False
+    assert '<td data-key="summary.0.within_5pct">NO</td>' in html_path.read_text()
+
+
+def test_report_of_a_missing_run_dir_says_what_it_expects(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        load_run(tmp_path)
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------
+
+def test_cli_report_and_cache_clear(tmp_path, capsys):
+    assert main(["report", str(RUN), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "index.html").exists() and "report written" in capsys.readouterr().out
+    TunerCache(tmp_path / "c").put("k1", {"x": 1})
+    TunerCache(tmp_path / "c").put("k2", {"x": 2})
+    assert main(["cache", "list", "--dir", str(tmp_path / "c")]) == 0
+    assert "2 cached" in capsys.readouterr().out
+    assert main(["cache", "clear", "--dir", str(tmp_path / "c")]) == 0
+    assert "removed 2" in capsys.readouterr().out and TunerCache(tmp_path / "c").entries() == []
