@@ -17,6 +17,7 @@ import html
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +349,21 @@ def render_html(data: dict, images: dict[str, Path | None]) -> str:
     return "\n".join(parts)
 
 
+def _plot(fn: Any, *args: Any) -> Path | None:
+    """Run a plot function; without matplotlib warn once and leave the plot out (the numbers stay)."""
+    try:
+        return fn(*args)
+    except ImportError:
+        if not _plot.warned:
+            _plot.warned = True
+            warnings.warn("concur report: matplotlib is not installed (pip install 'concur[report]'); "
+                          "the report has its tables and JSON but no plots.", RuntimeWarning, stacklevel=3)
+        return None
+
+
+_plot.warned = False
+
+
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
     """Write ``index.html``, ``report.json``, PNG plots and copies of the traces; return the HTML path."""
     run_dir = Path(run_dir)
@@ -356,13 +372,13 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     run = load_run(run_dir)
     data = report_data(run, run_dir)
     (out / "report.json").write_text(json.dumps(data, indent=1))
-    images: dict[str, Path | None] = {"summary": plot_summary(data, out / "summary_speedup.png")}
+    images: dict[str, Path | None] = {"summary": _plot(plot_summary, data, out / "summary_speedup.png")}
     for i, (case, cd) in enumerate(zip(run.cases, data["cases"])):
         name = slug(case.name)
-        images[f"cases.{i}.steptime"] = plot_step_times(cd, out / f"{name}_steptime.png")
+        images[f"cases.{i}.steptime"] = _plot(plot_step_times, cd, out / f"{name}_steptime.png")
         if case.monitor and (run_dir / case.monitor).exists():
-            images[f"cases.{i}.utilization"] = plot_utilization(MonitorRecord.load(run_dir / case.monitor),
-                                                                case.name, out / f"{name}_utilization.png")
+            images[f"cases.{i}.utilization"] = _plot(plot_utilization, MonitorRecord.load(run_dir / case.monitor),
+                                                     case.name, out / f"{name}_utilization.png")
         traces = []
         for ref in case.traces:
             src = run_dir / ref.path
@@ -370,7 +386,8 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
             if src.resolve() != (out / ref.path).resolve():
                 shutil.copyfile(src, out / ref.path)
             traces.append((f"{ref.label} ({ref.mode})", _parsed(src)))
-        images[f"cases.{i}.gantt"] = plot_gantt(traces, case.name, out / f"{name}_gantt.png") if traces else None
+        if traces:
+            images[f"cases.{i}.gantt"] = _plot(plot_gantt, traces, case.name, out / f"{name}_gantt.png")
     html_path = out / "index.html"
     html_path.write_text(render_html(data, images))
     return html_path

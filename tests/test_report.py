@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -220,3 +221,15 @@ def test_cli_report_and_cache_clear(tmp_path, capsys):
     assert "2 cached" in capsys.readouterr().out
     assert main(["cache", "clear", "--dir", str(tmp_path / "c")]) == 0
     assert "removed 2" in capsys.readouterr().out and TunerCache(tmp_path / "c").entries() == []
+
+
+def test_without_matplotlib_the_report_keeps_its_tables_and_warns_once(tmp_path, monkeypatch):
+    from concur import report as report_module
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setattr(report_module._plot, "warned", False)
+    with pytest.warns(RuntimeWarning, match="matplotlib is not installed") as caught:
+        html_path = write_report(RUN, tmp_path)
+    assert len(caught) == 1 and list(tmp_path.glob("*.png")) == []
+    page = html_path.read_text()
+    assert 'data-key="summary.0.tuned_vs_best"' in page and "data:image/png" not in page
