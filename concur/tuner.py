@@ -293,6 +293,8 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     """
     import torch
 
+    from .annotate import tensors_in
+    from .monitor import nvml_index
     from .plan import device_name
     from .train import train_step
 
@@ -352,13 +354,21 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if on_cuda else None)
     start = time.monotonic()
     try:
-        eager_util, eager = None, None
+        eager_util, eager, notes = None, None, ()
         if probe_utilization and on_cuda:
-            eager_util, eager = _probe_eager(build, timer, sync, inputs, targets, min(1.5, 0.1 * budget_s),
-                                             schedulers[0])
-        return tune(measure, max_streams=max_streams, schedulers=schedulers,
-                    budget_s=budget_s - (time.monotonic() - start), eager_utilization=eager_util, eager=eager,
-                    cache=cache, key=key, progress=progress)
+            cuda = next((t.device for t in tensors_in(example_batch) if t.is_cuda), torch.device("cuda"))
+            try:
+                eager_util, eager = _probe_eager(build, timer, sync, inputs, targets, min(1.5, 0.1 * budget_s),
+                                                 schedulers[0], nvml_index(cuda.index or 0))
+            except Exception as exc:  # without the probe the lever is unknown; the search still runs
+                notes = (f"eager utilization probe failed: {type(exc).__name__}: {str(exc)[:200]}",)
+            gc.collect()
+            torch.cuda.empty_cache()
+        result = tune(measure, max_streams=max_streams, schedulers=schedulers,
+                      budget_s=budget_s - (time.monotonic() - start), eager_utilization=eager_util, eager=eager,
+                      cache=cache, key=key, progress=progress)
+        # Report the whole time, probe included: that is what the caller waited.
+        return replace(result, seconds=time.monotonic() - start, notes=result.notes + notes)
     finally:
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
@@ -366,13 +376,13 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
 
 
 def _probe_eager(build: Callable, timer: Timer, sync: Callable, inputs: Any, targets: Any, seconds: float,
-                 scheduler: str) -> tuple[float | None, Measurement | None]:
+                 scheduler: str, device: int) -> tuple[float | None, Measurement | None]:
     """Run the eager serial step for ``seconds`` under the NVML monitor; return (utilization %, time)."""
     from .monitor import Monitor
 
     step, notes = build(Config(1, scheduler, cuda_graph=False))
     fn = lambda: step(inputs, targets)  # noqa: E731
-    with Monitor() as mon:
+    with Monitor(device) as mon:
         mon.mark("eager")
         end = time.monotonic() + seconds
         while time.monotonic() < end:

@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             done.append((spec, None, dict(case=spec, error=_error(exc))))
             _free()
         writer.save()
+    _write_results(out, writer, done, start)  # before profiling: a profiler crash must not lose the timings
     for spec, case, res in done:
         if case is None:
             continue
@@ -334,10 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = res.get("profile_config")
         profile_case(writer, case, spec, Config(*cfg) if cfg else None)
         writer.save()
-    results = [res for _, _, res in done]
-    summary = dict(meta=writer.run.meta, results=results, seconds=time.monotonic() - start,
-                   all_within_5pct=all(r.get("within_5pct") is True for r in results))
-    (out / "gpu_tuner_results.json").write_text(json.dumps(summary, indent=1))
+    summary = _write_results(out, writer, done, start)
+    results = summary["results"]
     try:
         html = write_report(out / "run")
         print(f"\nreport: {html}")
@@ -352,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{_f(r.get('tuner_s'), 1)} | {r.get('cache_hit')} |")
     print(f"total {summary['seconds']:.0f} s; all within 5%: {summary['all_within_5pct']}")
     return 0
+
+
+def _write_results(out: Path, writer: RunWriter, done: list, start: float) -> dict:
+    results = [res for _, _, res in done]
+    summary = dict(meta=writer.run.meta, results=results, seconds=time.monotonic() - start,
+                   all_within_5pct=bool(results) and all(r.get("within_5pct") is True for r in results))
+    (out / "gpu_tuner_results.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def _f(x: float | None, digits: int = 2) -> str:
