@@ -55,3 +55,87 @@ def cuda_sanitizer() -> Iterator[None]:
         raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._sanitizer") from exc
     _sanitizer.enable_cuda_sanitizer()
     yield
+
+
+# --- torch.compile internals used by concur.backend -------------------------------------------
+# Tested on torch 2.11 (GPU machine) and 2.14 (CI). Each accessor imports lazily so that
+# `import concur` never pays for (or breaks on) inductor.
+
+def _compile_internal(what: str, exc: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"concur's torch.compile backend needs {what}, which torch {torch.__version__} does not "
+        f"provide ({type(exc).__name__}: {exc}). It is tested on torch 2.11 and 2.14; use "
+        "backend='inductor' or concur.train_step(compile=False) on this version.")
+
+
+def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: list, inner_compile) -> object:
+    """Run inductor's whole front end (decompositions, AOTAutograd, partitioner) with our inner compiler.
+
+    ``inner_compile(gm, example_inputs, **kwargs)`` receives each forward and
+    backward aten graph exactly as inductor's own ``compile_fx_inner`` would.
+    """
+    try:
+        from torch._inductor.compile_fx import compile_fx
+    except ImportError as exc:  # pragma: no cover - depends on torch version
+        raise _compile_internal("torch._inductor.compile_fx.compile_fx", exc) from exc
+    import torch._functorch.config as functorch_config
+
+    # AOTAutograd's cache stores inductor's *whole-graph* output keyed without the inner compiler:
+    # a hit would silently skip concur's segments, so it stays off for this compile.
+    patch = {"enable_autograd_cache": False} if hasattr(functorch_config, "enable_autograd_cache") else {}
+    with functorch_config.patch(patch):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def inductor_compile_graph(gm: torch.fx.GraphModule, example_inputs: list, *args, **kwargs) -> object:
+    """Compile one aten graph to fused kernels with inductor (``compile_fx_inner``)."""
+    try:
+        from torch._inductor.compile_fx import compile_fx_inner
+    except ImportError as exc:  # pragma: no cover
+        raise _compile_internal("torch._inductor.compile_fx.compile_fx_inner", exc) from exc
+    return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+
+def aot_autograd_backend(fw_compiler, bw_compiler) -> object:
+    """Return a dynamo backend running AOTAutograd with the given forward/backward compilers."""
+    try:
+        from torch._dynamo.backends.common import aot_autograd
+    except ImportError as exc:  # pragma: no cover
+        raise _compile_internal("torch._dynamo.backends.common.aot_autograd", exc) from exc
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+
+
+@contextlib.contextmanager
+def private_output_strides() -> Iterator[None]:
+    """Keep segment compilations from reporting output strides for the whole graph.
+
+    Inductor reports a compiled graph's output strides to AOTAutograd through
+    the TracingContext, which asserts the list is empty; compiling several
+    segments inside one graph's compile would trip it. The graph's own outputs
+    keep their traced strides (every segment output is user-visible), so
+    nothing needs reporting.
+    """
+    try:
+        from torch._guards import TracingContext
+    except ImportError as exc:  # pragma: no cover
+        raise _compile_internal("torch._guards.TracingContext", exc) from exc
+    with TracingContext.report_output_strides():
+        yield
+
+
+def register_dynamo_backend(name: str, compiler_fn) -> None:
+    """Register ``compiler_fn`` under ``name`` for ``torch.compile(backend=name)`` (idempotent)."""
+    from torch._dynamo import list_backends, register_backend
+
+    if name not in list_backends(exclude_tags=()):
+        register_backend(compiler_fn=compiler_fn, name=name)
+
+
+def has_symbolic_shapes(example_inputs: list) -> bool:
+    """Return True if any example input is a SymInt or a tensor with symbolic sizes."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
+            return True
+    return False

@@ -20,7 +20,7 @@ seeded run gives the same numbers as the original model.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Hashable
+from typing import AbstractSet, Hashable, Iterable
 
 import networkx as nx
 import torch.fx as fx
@@ -55,7 +55,7 @@ def build_dag(graph: fx.Graph) -> nx.DiGraph:
         for u in n.all_input_nodes:
             if u.op in OP_KINDS:
                 dag.add_edge(u.name, n.name, kind="data")
-    for u, v in hazard_edges(ops):
+    for u, v in hazard_edges([(n.name, facts(n).reads, facts(n).writes) for n in ops]):
         if not dag.has_edge(u, v):
             dag.add_edge(u, v, kind="hazard")
     return dag
@@ -69,23 +69,30 @@ def is_free_source(dag: nx.DiGraph, name: str) -> bool:
     return not dag.nodes[name]["facts"].launches_kernel and dag.in_degree(name) == 0
 
 
-def hazard_edges(ops: list[fx.Node]) -> set[tuple[str, str]]:
-    """Return (earlier, later) pairs ordered by read/write conflicts on a shared storage."""
+Access = tuple[str, AbstractSet[Hashable], AbstractSet[Hashable]]  # (op, reads, writes)
+
+
+def hazard_edges(accesses: Iterable[Access]) -> set[tuple[str, str]]:
+    """Return (earlier, later) pairs ordered by read/write conflicts on a shared storage.
+
+    ``accesses`` lists, in program order, each op's name with the storages it
+    reads and writes (any hashable keys: storage pointers for traced models,
+    root values for aten graphs).
+    """
     last_writer: dict[Hashable, str] = {}
     readers: dict[Hashable, list[str]] = defaultdict(list)
     edges: set[tuple[str, str]] = set()
-    for n in ops:
-        f = facts(n)
-        for key in f.reads | f.writes:
+    for name, reads, writes in accesses:
+        for key in set(reads) | set(writes):
             writer = last_writer.get(key)
-            if writer is not None and writer != n.name:
-                edges.add((writer, n.name))  # read/write after write
-            if key in f.writes:
-                edges.update((r, n.name) for r in readers[key] if r != n.name)  # write after read
+            if writer is not None and writer != name:
+                edges.add((writer, name))  # read/write after write
+            if key in writes:
+                edges.update((r, name) for r in readers[key] if r != name)  # write after read
                 readers[key] = []
-                last_writer[key] = n.name
+                last_writer[key] = name
             else:
-                readers[key].append(n.name)
+                readers[key].append(name)
     return edges
 
 

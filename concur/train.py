@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from . import api
+from .backend import ConcurBackend, backend
 from .annotate import tensors_in
 
 
@@ -94,14 +95,19 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  example_batch: tuple, streams: int, cuda_graph: bool, scheduler: str,
-                 max_graphs: int, warmup: int):
+                 max_graphs: int, warmup: int, compile: bool = False,
+                 amp_dtype: torch.dtype | None = None):
         inputs, _ = example_batch
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.requested_streams = streams
         self.scheduler = scheduler
+        self.compile = compile
+        self.amp_dtype = amp_dtype
         self.max_graphs, self.warmup = max_graphs, warmup
         self._example = _as_tuple(inputs)  # plans for other stream counts are built from it
-        self.modules = {streams: api.optimize(model, self._example, streams=streams, scheduler=scheduler)}
+        self.modules: dict[int, nn.Module] = {}
+        self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
+        self._module(streams)
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         if cuda_graph and not on_cuda:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
@@ -121,8 +127,13 @@ class TrainStep:
 
     def _module(self, streams: int) -> nn.Module:
         if streams not in self.modules:
-            self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
-                                                 scheduler=self.scheduler)
+            if self.compile:
+                # dynamic=False: a new batch size gets its own static graph, as CUDA graphs need
+                self.backends[streams] = backend(streams=streams, scheduler=self.scheduler)
+                self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
+            else:
+                self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
+                                                     scheduler=self.scheduler)
         return self.modules[streams]
 
     def _warn_once(self, message: str) -> None:
@@ -130,10 +141,19 @@ class TrainStep:
             self._warned.add(message)
             warnings.warn(message, stacklevel=3)
 
+    def _loss(self, module: nn.Module, inputs: tuple, targets: Any) -> torch.Tensor:
+        """Forward and loss, under autocast when ``amp_dtype`` is set (backward runs outside it)."""
+        if self.amp_dtype is None:
+            return self.loss_fn(module(*inputs), targets)
+        device = "cuda" if any(t.is_cuda for t in tensors_in(inputs)) else "cpu"
+        # cache_enabled=False: autocast's weight-cast cache must not outlive a CUDA-graph capture
+        with torch.autocast(device, dtype=self.amp_dtype, cache_enabled=False):
+            return self.loss_fn(module(*inputs), targets)
+
     def eager_step(self, inputs: tuple, targets: Any, module: nn.Module | None = None) -> torch.Tensor:
         """One step without a graph: zero_grad, forward, loss, backward, optimizer.step."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn((module or self.module)(*inputs), targets)
+        loss = self._loss(self.module if module is None else module, inputs, targets)
         loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -193,7 +213,7 @@ class TrainStep:
             graph = torch.cuda.CUDAGraph()
             self.optimizer.zero_grad(set_to_none=True)
             with torch.cuda.graph(graph):
-                loss = self.loss_fn(module(*static_inputs), static_targets)
+                loss = self._loss(module, static_inputs, static_targets)
                 loss.backward()
                 self.optimizer.step()
             # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
@@ -206,7 +226,8 @@ class TrainStep:
 
 
 def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_batch: tuple,
-               streams: int | str = 4, cuda_graph: bool = True, *, scheduler: str = "critical_path",
+               streams: int | str = 4, cuda_graph: bool = True, *, compile: bool = False,
+               amp_dtype: torch.dtype | None = None, scheduler: str = "critical_path",
                max_graphs: int = 4, warmup: int = 3) -> TrainStep:
     """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
 
@@ -216,19 +237,47 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     the concurrent plan, backward, optimizer step) is captured once per input
     shape and replayed; ``streams=1`` is the serial baseline through the same
     path. Without CUDA it runs eagerly in the plan's issue order.
+
+    ``compile=True`` runs the model through ``torch.compile`` with the concur
+    backend (:mod:`concur.backend`): inductor's fused kernels on the streams,
+    forward and backward, still captured whole; ``streams=1`` is then exactly
+    ``torch.compile`` plus a whole-step CUDA graph.
+
+    ``streams="auto"`` on CUDA measures stream counts and schedulers with the
+    tuner (:mod:`concur.tuner`, cached on disk, at most ~20 s) for the
+    unfused path; with ``compile=True``, where each trial would recompile, and
+    without CUDA, it takes the fewest streams predicted to reach 97% of the
+    best predicted speedup.
+
+    ``amp_dtype=torch.bfloat16`` runs forward and loss under autocast (the
+    same as ``with torch.autocast(...)`` around them in a plain loop).
     """
     if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
         raise TypeError("example_batch must be a pair (inputs, targets)")
     if streams == "auto":
-        streams = _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler)
+        streams, scheduler, cuda_graph = _auto_configuration(
+            model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile)
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
-                     max_graphs, warmup)
+                     max_graphs, warmup, compile, amp_dtype)
+
+
+def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                        example_batch: tuple, scheduler: str, cuda_graph: bool, compile: bool
+                        ) -> tuple[int, str, bool]:
+    """Return (streams, scheduler, cuda_graph) for ``streams="auto"``: measured where affordable."""
+    on_cuda = any(t.is_cuda for t in tensors_in(example_batch[0])) and torch.cuda.is_available()
+    if on_cuda and not compile:
+        from .tuner import tune_train_step
+
+        chosen = tune_train_step(model, loss_fn, optimizer, example_batch).config
+        return chosen.streams, chosen.scheduler, cuda_graph and chosen.cuda_graph
+    return _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler), scheduler, cuda_graph
 
 
 def _predicted_stream_count(model: nn.Module, inputs: tuple, scheduler: str) -> int:
-    """Fewest streams reaching 97% of the best predicted speedup (the measured tuner is issue #4)."""
+    """Fewest streams reaching 97% of the best predicted speedup of the unfused plan."""
     speedups = api.inspect(model, inputs, scheduler=scheduler).predicted_speedup
     best = max(speedups.values())
     return min(k for k, v in speedups.items() if v >= 0.97 * best)

@@ -20,9 +20,13 @@ from schedulers.schedule import (
 from schedulers.serial import serial
 from schedulers.critical_path import critical_path
 from schedulers.fork import fork
+from schedulers.coarsen import Coarsened, coarsen, expand
 from schedulers.analysis import critical_path_length, predicted_speedups, width
 
 __all__ = [
+    "Coarsened",
+    "coarsen",
+    "expand",
     "SCHEDULERS",
     "Schedule",
     "Wait",

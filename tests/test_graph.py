@@ -69,7 +69,7 @@ def test_without_hazard_edges_the_plan_gives_wrong_results(monkeypatch):
     model = InplaceHazard()
     x = torch.randn(2, 3, 8, 8)
     expected = model(x.clone())
-    monkeypatch.setattr(concur.graph, "hazard_edges", lambda ops: set())
+    monkeypatch.setattr(concur.graph, "hazard_edges", lambda accesses: set())
     broken = concur.optimize(model, (x,), streams=2)
     actual = broken(x.clone())
     assert not torch.allclose(actual, expected, rtol=1e-3)

@@ -1,0 +1,181 @@
+"""The dependency DAG of an AOTAutograd (aten-level) graph, costed as fused kernels.
+
+The forward and backward graphs that ``torch.compile`` hands a backend are
+functional aten graphs: almost every op returns a fresh tensor, so data edges
+are nearly all there is. Three exceptions need ordering edges:
+
+* ``operator.getitem`` unpacks a multi-output op; it is folded into its
+  producer (same stream, no event), so the scheduler sees one node;
+* an op whose schema mutates an argument (``copy_`` into a BatchNorm
+  buffer) writes the value it mutates, named by its root through views; it is
+  ordered after every earlier reader of that value and before every later
+  one, with :func:`concur.graph.hazard_edges`, as for traced models;
+* ops tagged ``nondeterministic_seeded`` (dropout masks, ``rand_like``,
+  inductor's seed draws) read and write the generator, so they keep their
+  program order.
+
+Costs are for the kernels inductor will emit, not for the aten ops:
+convolutions and matmuls stay separate (extern) kernels, costed by the
+roofline of their FLOPs and bytes; pointwise and reduction ops are fused into
+their neighbours, so each costs only the bytes it writes once; views cost
+nothing. The estimate only has to rank branches, like :mod:`concur.cost`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from .annotate import RNG, tensors_in
+from .cost import Roofline
+from .graph import hazard_edges
+
+
+@dataclass(frozen=True)
+class AtenCost:
+    """Predicted cost of one aten op once inductor has fused it."""
+
+    flops: int
+    bytes_written: int
+    bytes_read: int
+    fused: bool  # pointwise/reduction work that inductor folds into a neighbouring kernel
+    is_view: bool
+
+    def microseconds(self, roof: Roofline) -> float:
+        if self.is_view:
+            return 0.0
+        if not self.fused:
+            compute = max(self.flops / roof.flops_per_us,
+                          (self.bytes_read + self.bytes_written) / roof.bytes_per_us)
+            return roof.kernel_overhead_us + compute
+        # A fused op adds its output traffic to a kernel and shares its launch with others.
+        return 0.25 * roof.kernel_overhead_us + self.bytes_written / roof.bytes_per_us
+
+
+def is_unpack(node: fx.Node) -> bool:
+    """Return True for ``operator.getitem`` of a multi-output op."""
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _schema(node: fx.Node) -> torch.FunctionSchema | None:
+    return getattr(node.target, "_schema", None)
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """Return True if the op writes into one of its arguments."""
+    schema = _schema(node)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def is_seeded_random(node: fx.Node) -> bool:
+    """Return True if the op draws from (and advances) a random generator."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def is_view(node: fx.Node) -> bool:
+    """Return True if the op's output aliases its input (no kernel)."""
+    schema = _schema(node)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def root(node: fx.Node) -> fx.Node:
+    """Return the op a value comes from: ``getitem`` nodes are folded into their producer."""
+    while is_unpack(node):
+        node = node.args[0]
+    return node
+
+
+def scheduled_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Return the nodes the scheduler places: every op except ``getitem`` unpacks, in program order."""
+    return [n for n in graph.nodes if n.op == "call_function" and not is_unpack(n)]
+
+
+def _meta_like(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+def _value(node: fx.Node) -> object:
+    return node.meta.get("val")
+
+
+def aten_cost(node: fx.Node) -> AtenCost:
+    """Return the fused-kernel cost of one op from the fake values AOTAutograd left in ``meta['val']``."""
+    out_bytes = sum(t.numel() * t.element_size() for t in tensors_in(_value(node)))
+    in_bytes = sum(t.numel() * t.element_size() for u in node.all_input_nodes
+                   for t in tensors_in(_value(u)))
+    if is_view(node):
+        return AtenCost(0, 0, 0, fused=True, is_view=True)
+    flops = 0
+    try:  # FLOP formulas are torch's own (torch.utils.flop_counter); meta tensors cost nothing to run
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda u: _meta_like(_value(u)))
+        with FlopCounterMode(display=False) as counter:
+            node.target(*args, **kwargs)
+        flops = counter.get_total_flops()
+    except Exception:  # noqa: BLE001 - no meta kernel or symbolic shapes: treat as fused pointwise work
+        flops = 0
+    return AtenCost(flops, out_bytes, in_bytes, fused=flops == 0, is_view=False)
+
+
+def build_aten_dag(graph: fx.Graph, roof: Roofline) -> nx.DiGraph:
+    """Return the DAG of ``graph``'s scheduled nodes with ``cost`` (µs), ``view``, ``heavy`` and ``target``."""
+    nodes = scheduled_nodes(graph)
+    dag = nx.DiGraph()
+    for n in nodes:
+        cost = aten_cost(n)
+        dag.add_node(n.name, cost=cost.microseconds(roof), view=cost.is_view, heavy=not cost.fused,
+                     target=str(n.target))
+    for n in nodes:
+        for u in n.all_input_nodes:
+            u = root(u)
+            if u.op == "call_function":
+                dag.add_edge(u.name, n.name, kind="data")
+    for u, v in hazard_edges(_accesses(nodes)):
+        if not dag.has_edge(u, v):
+            dag.add_edge(u, v, kind="hazard")
+    return dag
+
+
+def _accesses(nodes: list[fx.Node]) -> list[tuple[str, set, set]]:
+    """Return (op, values read, values written) per op, values named by their root through views.
+
+    Only mutating and random ops need ordering beyond data edges, so reads
+    are tracked only for values that some op writes.
+    """
+    base: dict[fx.Node, fx.Node] = {}
+
+    def storage(u: fx.Node) -> fx.Node:
+        u = root(u)
+        return base.get(u, u)
+
+    for n in nodes:
+        if is_view(n) and n.all_input_nodes:
+            base[n] = storage(n.all_input_nodes[0])
+    written: dict[fx.Node, set] = {}
+    for n in nodes:
+        schema = _schema(n)
+        if schema is not None and schema.is_mutable:
+            targets = [a for arg, a in zip(schema.arguments, n.args)
+                       if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, fx.Node)]
+            targets += [n.kwargs[arg.name] for arg in schema.arguments
+                        if arg.alias_info is not None and arg.alias_info.is_write
+                        and isinstance(n.kwargs.get(arg.name), fx.Node)]
+            written[n] = {storage(a).name for a in targets}
+        if is_seeded_random(n):
+            written.setdefault(n, set()).add(RNG)
+    mutated = set().union(*written.values()) if written else set()
+    result = []
+    for n in nodes:
+        reads = {storage(u).name for u in n.all_input_nodes} & mutated
+        result.append((n.name, reads, written.get(n, set())))
+    return result

@@ -1,0 +1,215 @@
+"""``torch.compile(model, backend="concur")``: inductor's fused kernels, issued on several streams.
+
+Inductor's front end runs unchanged (dynamo capture, decompositions,
+AOTAutograd with its min-cut partitioner), so the forward and backward aten
+graphs are exactly those ``backend="inductor"`` would compile. concur steps in
+at the last stage, where inductor compiles each graph: it
+
+1. builds the graph's DAG with fused-kernel costs (:mod:`concur.aten_dag`),
+2. schedules it with the same :mod:`schedulers` as the unfused path,
+3. cuts it into per-stream segments (:mod:`concur.segments`) and verifies them,
+4. compiles each segment with inductor, keeping traced strides at segment
+   boundaries, so no layout conversion is added between segments,
+5. returns a runner that issues the compiled segments on their streams.
+
+When the schedule uses one stream (``streams=1``, or a chain-like graph), the
+graph goes to inductor whole: ``streams=1`` is exactly ``torch.compile``.
+Anything concur cannot schedule, or a segment inductor rejects, falls back to
+plain inductor for that graph with one warning naming why; results never
+differ from inductor's. ``segment_compiler="eager"`` runs segments as plain
+fx code under AOTAutograd (like ``backend="aot_eager"``): the same cutting and
+stream logic, fast enough for CPU tests.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+import schedulers
+
+from . import _torch_compat as compat
+from .aten_dag import build_aten_dag
+from .cost import Roofline, roofline_for
+from .segments import SegmentedCall, SegmentPlan, partition, segment_module, verify
+
+SEGMENT_COMPILERS = ("inductor", "eager")
+MIN_SEGMENT_LAUNCHES = 5
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How the concur backend schedules and compiles."""
+
+    streams: int = 4
+    scheduler: str = "critical_path"
+    segment_compiler: str = "inductor"
+    roofline: Roofline | None = None  # default: from the device of the graph's inputs
+
+
+@dataclass(frozen=True)
+class CompiledGraphInfo:
+    """What the backend did with one forward or backward graph (kept for inspection and tests)."""
+
+    is_backward: bool
+    num_ops: int
+    num_segments: int
+    num_streams: int
+    num_waits: int
+    fallback_reason: str | None
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def _roofline(options: BackendOptions, example_inputs: Sequence[Any]) -> Roofline:
+    if options.roofline is not None:
+        return options.roofline
+    device = _device_of(example_inputs)
+    return roofline_for(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
+
+def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions
+               ) -> SegmentPlan | None:
+    """Return the verified segment plan of an aten graph, or None if it runs best on one stream.
+
+    Raises:
+        ValueError: the graph has symbolic shapes, or the plan is invalid (a concur bug).
+    """
+    if compat.has_symbolic_shapes(list(example_inputs)):
+        raise ValueError("the graph has dynamic (symbolic) shapes; concur schedules static shapes only "
+                         "(compile with dynamic=False)")
+    roof = _roofline(options, example_inputs)
+    dag = build_aten_dag(gm.graph, roof)
+    if options.streams == 1 or dag.number_of_nodes() < 2:
+        return None
+    # schedule chains and fusion groups, not single pointwise ops (see schedulers.coarsen)
+    # a segment must be worth the event that starts it: several kernel launches
+    coarse = schedulers.coarsen(dag, min_cost=MIN_SEGMENT_LAUNCHES * roof.kernel_overhead_us)
+    schedule = schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, options.streams,
+                                                                  options.scheduler))
+    if schedule.num_streams == 1:
+        return None
+    plan = partition(gm.graph, schedule)
+    problems = schedulers.validate(dag, schedule) + verify(plan)
+    if problems:
+        raise ValueError(f"invalid plan (a concur bug, please report it): {problems[:3]}")
+    return plan
+
+
+class ConcurBackend:
+    """A dynamo backend: ``torch.compile(model, backend=ConcurBackend(BackendOptions(...)))``."""
+
+    def __init__(self, options: BackendOptions = BackendOptions()):
+        if options.segment_compiler not in SEGMENT_COMPILERS:
+            raise ValueError(f"segment_compiler must be one of {SEGMENT_COMPILERS}, "
+                             f"got {options.segment_compiler!r}")
+        if isinstance(options.streams, bool) or not isinstance(options.streams, int) or options.streams < 1:
+            raise ValueError(f"streams must be a positive int, got {options.streams!r}")
+        if options.scheduler not in schedulers.SCHEDULERS:
+            raise ValueError(f"unknown scheduler {options.scheduler!r}; choose one of "
+                             f"{sorted(schedulers.SCHEDULERS)}")
+        self.options = options
+        self.graphs: list[CompiledGraphInfo] = []
+
+    def __repr__(self) -> str:
+        o = self.options
+        return f"concur.backend(streams={o.streams}, scheduler={o.scheduler!r})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if self.options.segment_compiler == "inductor":
+            return compat.inductor_compile_fx(gm, example_inputs, self._compile_with_inductor)
+        return compat.aot_autograd_backend(self._compile_eager_forward,
+                                           self._compile_eager_backward)(gm, example_inputs)
+
+    # -- per-graph compilation ----------------------------------------------------------------
+
+    def _plan_or_reason(self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+                        ) -> tuple[SegmentPlan | None, str | None]:
+        try:
+            return plan_graph(gm, example_inputs, self.options), None
+        except Exception as exc:  # noqa: BLE001 - any failure here means: let inductor run it whole
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+
+    def _record(self, gm: fx.GraphModule, plan: SegmentPlan | None, is_backward: bool,
+                reason: str | None) -> None:
+        if reason is not None:
+            warnings.warn(f"concur backend: running a {'backward' if is_backward else 'forward'} graph "
+                          f"as plain inductor output on one stream, because {reason}", stacklevel=2)
+        self.graphs.append(CompiledGraphInfo(
+            is_backward, sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            len(plan.segments) if plan else 1, plan.num_streams if plan else 1,
+            sum(len(s.waits) for s in plan.segments) if plan else 0, reason))
+
+    def _compile_with_inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                               *args: Any, **kwargs: Any) -> Any:
+        is_backward = bool(kwargs.get("is_backward", False))
+        plan, reason = self._plan_or_reason(gm, example_inputs)
+        if plan is None:
+            self._record(gm, None, is_backward, reason)
+            return compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        try:
+            compiled = [self._inductor_segment(gm, example_inputs, plan, i, args, kwargs)
+                        for i in range(len(plan.segments))]
+        except Exception as exc:  # noqa: BLE001 - a segment inductor rejects: compile the graph whole
+            self._record(gm, None, is_backward, f"inductor rejected a segment ({type(exc).__name__}: "
+                                               f"{str(exc).splitlines()[0][:300]})")
+            return compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        self._record(gm, plan, is_backward, None)
+        return SegmentedCall(gm, plan, compiled)
+
+    def _inductor_segment(self, gm: fx.GraphModule, example_inputs: Sequence[Any], plan: SegmentPlan,
+                          index: int, args: tuple, kwargs: dict) -> Callable:
+        segment = plan.segments[index]
+        by_name = {n.name: n for n in gm.graph.nodes}
+        graph_inputs = dict(zip(plan.placeholders, example_inputs))
+        examples = [graph_inputs[u] if u in graph_inputs else by_name[u].meta["val"]
+                    for u in segment.inputs]
+        static = {plan.placeholders[i] for i in kwargs.get("static_input_idxs", ())}
+        seg_kwargs = dict(kwargs, static_input_idxs=[i for i, u in enumerate(segment.inputs) if u in static])
+        with compat.private_output_strides():
+            return compat.inductor_compile_graph(segment_module(gm, segment), examples, *args, **seg_kwargs)
+
+    def _compile_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool) -> Any:
+        plan, reason = self._plan_or_reason(gm, example_inputs)
+        self._record(gm, plan, is_backward, reason)
+        if plan is None:
+            return _boxed(gm)
+        return SegmentedCall(gm, plan, [_boxed(segment_module(gm, s)) for s in plan.segments])
+
+    def _compile_eager_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        return self._compile_eager(gm, example_inputs, is_backward=False)
+
+    def _compile_eager_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        return self._compile_eager(gm, example_inputs, is_backward=True)
+
+
+def _boxed(gm: fx.GraphModule) -> Callable[[list], Any]:
+    def run(args: list) -> Any:
+        values = list(args)
+        args.clear()
+        return gm(*values)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def backend(streams: int = 4, scheduler: str = "critical_path", *,
+            segment_compiler: str = "inductor", roofline: Roofline | None = None) -> ConcurBackend:
+    """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
+
+    ``torch.compile(model, backend=concur.backend(streams=4))``; the name
+    ``"concur"`` is the same with defaults. ``segment_compiler="eager"`` skips
+    inductor and runs segments as fx code (for tests and debugging).
+    """
+    return ConcurBackend(BackendOptions(streams, scheduler, segment_compiler, roofline))
+
+
+def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """The default backend, registered as ``"concur"`` (also via the ``torch_dynamo_backends`` entry point)."""
+    return backend()(gm, example_inputs)

@@ -1,0 +1,216 @@
+"""Coarsen a DAG of small ops into branches before scheduling, and expand the schedule back.
+
+After fusion a graph holds hundreds of cheap ops around a few heavy kernels.
+Scheduled one by one they scatter over streams, and every scatter costs an
+event, while the concurrency worth having is between *branches*. So nodes are
+grouped into clusters, walked in program order:
+
+* a node whose input comes from a **fork** starts a new cluster: a fork is a
+  value whose consumers lead to different heavy work, the start of parallel
+  branches (each consumer's *branch* is the set of the first heavy nodes it
+  reaches; a fork has two different non-empty ones);
+* otherwise a node continues the heaviest cluster among its inputs', so a
+  branch stays one cluster and a join (concat, gradient sum) continues one of
+  the branches it joins, provided no other input of the node can be reached
+  from that cluster (which would make a cycle of clusters);
+* views (``view`` attribute) cost nothing and go with their input; a view or
+  cheap op with no inputs goes with its only consumer.
+
+::
+
+        x            x is a fork: a1 and b1 are independent consumers
+       / \\           clusters: {x}  {a1, a2, c}  {b1}
+     a1   b1         (c joins a's cluster, the heavier one)
+      |    |
+     a2    |
+       \\  /
+        c
+
+Consumers that meet again before any heavy node (BatchNorm's mean and
+variance, both feeding its normalisation) are one branch, and a consumer
+leading to no heavy node (BatchNorm's running-statistics update: a few tiny
+pointwise ops ending in a buffer write) is none. Nodes are ``heavy`` unless
+marked otherwise; a compiler marks pointwise work as not heavy.
+
+>>> import networkx as nx
+>>> dag = nx.DiGraph([("x", "a1"), ("a1", "a2"), ("x", "b1"), ("a2", "c"), ("b1", "c")])
+>>> nx.set_node_attributes(dag, {"a1": 2.0, "a2": 2.0, "b1": 1.0}, "cost")
+>>> sorted(map(sorted, coarsen(dag).members.values()))
+[['a1', 'a2', 'c'], ['b1'], ['x']]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import networkx as nx
+
+from schedulers.schedule import Schedule, build_schedule, insertion_order, node_cost
+
+__all__ = ["Coarsened", "coarsen", "expand", "merge_small"]
+
+
+@dataclass(frozen=True)
+class Coarsened:
+    """A DAG of clusters (node = cluster id, ``cost`` = sum of members) and each cluster's members."""
+
+    dag: nx.DiGraph
+    members: dict[int, tuple[Hashable, ...]]  # in topological order of the original DAG
+    cluster_of: dict[Hashable, int]
+
+
+def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: str = "heavy") -> Coarsened:
+    """Return ``dag`` contracted into branch clusters (see the module docstring).
+
+    Clusters cheaper than ``min_cost`` (an event's worth of work) are then
+    merged into a neighbour (:func:`merge_small`).
+    """
+    is_view = {v: bool(dag.nodes[v].get(view, False)) for v in dag}
+    is_heavy = {v: bool(dag.nodes[v].get(heavy, True)) for v in dag}
+
+    def origin(u: Hashable) -> Hashable:  # the value a view chain reads
+        while is_view[u] and dag.in_degree(u) == 1:
+            u = next(iter(dag.predecessors(u)))
+        return u
+
+    def consumers(u: Hashable) -> set[Hashable]:  # non-view consumers, through views
+        found, stack = set(), list(dag.successors(u))
+        while stack:
+            c = stack.pop()
+            if is_view[c]:
+                stack.extend(dag.successors(c))
+            else:
+                found.add(c)
+        return found
+
+    descendants: dict[Hashable, set] = {}
+
+    def reach(u: Hashable) -> set:
+        if u not in descendants:
+            descendants[u] = nx.descendants(dag, u)
+        return descendants[u]
+
+    def nearest_heavy(c: Hashable) -> frozenset:
+        """The heavy nodes reachable from c without passing another heavy node (c itself if heavy)."""
+        found, seen, stack = set(), {c}, [c]
+        while stack:
+            u = stack.pop()
+            if is_heavy[u]:
+                found.add(u)
+                continue
+            for w in dag.successors(u):
+                if w not in seen:
+                    seen.add(w)
+                    stack.append(w)
+        return frozenset(found)
+
+    forks: dict[Hashable, bool] = {}
+
+    def is_fork(u: Hashable) -> bool:
+        if u not in forks:
+            cs = consumers(u)
+            branches = {nearest_heavy(c) for c in cs} - {frozenset()} if len(cs) > 1 else set()
+            forks[u] = len(branches) > 1
+        return forks[u]
+
+    cluster_of: dict[Hashable, int] = {}
+    members: dict[int, list[Hashable]] = {}
+    cost: dict[int, float] = {}
+    first: dict[int, Hashable] = {}
+    deferred: list[Hashable] = []
+
+    def put(v: Hashable, c: int) -> None:
+        if c not in members:
+            members[c], cost[c], first[c] = [], 0.0, v
+        members[c].append(v)
+        cost[c] += node_cost(dag, v)
+        cluster_of[v] = c
+
+    def pull_deferred(v: Hashable, c: int) -> None:
+        """Place the deferred sources feeding ``v`` (recursively) into cluster ``c``, before v."""
+        for u in dag.predecessors(v):
+            if u in deferred:
+                deferred.remove(u)
+                pull_deferred(u, c)
+                put(u, c)
+
+    for v in insertion_order(dag):
+        preds = list(dag.predecessors(v))
+        free = is_view[v] or node_cost(dag, v) == 0
+        if all(u in deferred for u in preds) and dag.out_degree(v) == 1 and free:
+            deferred.append(v)  # placed with its consumer
+            continue
+        placed = [u for u in preds if u in cluster_of]
+        if is_view[v] and len(placed) == 1:
+            target = cluster_of[placed[0]]
+        else:
+            candidates = {cluster_of[u] for u in placed if not is_fork(origin(u))}
+            candidates = [c for c in candidates
+                          if not any(u not in members[c] and u in reach(first[c]) for u in placed)]
+            target = max(candidates, key=lambda c: (cost[c], -c), default=len(members))
+        pull_deferred(v, target)
+        put(v, target)
+    for d in deferred:  # a source whose consumer never came (cannot happen in a DAG; kept for safety)
+        put(d, len(members))
+    return merge_small(dag, {c: tuple(vs) for c, vs in members.items()}, min_cost)
+
+
+def _cluster_dag(dag: nx.DiGraph, members: dict[int, tuple]) -> Coarsened:
+    position = {v: i for i, v in enumerate(insertion_order(dag))}
+    ordered = sorted(members.values(), key=lambda vs: position[vs[0]])
+    members = {c: tuple(sorted(vs, key=position.__getitem__)) for c, vs in enumerate(ordered)}
+    cluster_of = {v: c for c, vs in members.items() for v in vs}
+    coarse = nx.DiGraph()
+    for c, vs in members.items():  # inserted in program order: schedulers read it as such
+        coarse.add_node(c, cost=sum(node_cost(dag, v) for v in vs))
+    coarse.add_edges_from((cluster_of[u], cluster_of[v]) for u, v in dag.edges
+                          if cluster_of[u] != cluster_of[v])
+    return Coarsened(coarse, members, cluster_of)
+
+
+def _merge_keeps_acyclic(coarse: nx.DiGraph, a: int, b: int) -> bool:
+    """Return True if contracting the edge a -> b leaves the graph acyclic (no other a ~> b path)."""
+    coarse.remove_edge(a, b)
+    try:
+        return not nx.has_path(coarse, a, b)
+    finally:
+        coarse.add_edge(a, b)
+
+
+def merge_small(dag: nx.DiGraph, members: dict[int, tuple], min_cost: float) -> Coarsened:
+    """Merge clusters cheaper than ``min_cost`` into a successor (else a predecessor), keeping a DAG.
+
+    A cluster worth less than an event wait is not worth a stream of its
+    own: a recomputed normalisation in a backward graph, a lone view.
+    Consumers are preferred, so such work runs just before the branch that
+    needs it.
+    """
+    result = _cluster_dag(dag, members)
+    if min_cost <= 0:
+        return result
+    coarse, members = result.dag.copy(), {c: list(vs) for c, vs in result.members.items()}
+    stuck: set[int] = set()
+    while True:
+        small = [c for c in coarse if c not in stuck and coarse.nodes[c]["cost"] < min_cost]
+        if not small:
+            break
+        a = min(small, key=lambda c: (coarse.nodes[c]["cost"], c))
+        edges = [(a, b) for b in coarse.successors(a)] + [(p, a) for p in coarse.predecessors(a)]
+        valid = [(u, v) for u, v in edges if _merge_keeps_acyclic(coarse, u, v)]
+        if not valid:
+            stuck.add(a)
+            continue
+        u, v = valid[0]
+        keep, gone = (v, u) if u == a else (u, v)
+        members[keep] += members.pop(gone)
+        coarse.nodes[keep]["cost"] += coarse.nodes[gone]["cost"]
+        coarse = nx.contracted_nodes(coarse, keep, gone, self_loops=False, copy=False)
+    return _cluster_dag(dag, {c: tuple(vs) for c, vs in members.items()})
+
+
+def expand(dag: nx.DiGraph, coarsened: Coarsened, cluster_schedule: Schedule) -> Schedule:
+    """Return the node-level schedule: each cluster's members in order, on the cluster's stream."""
+    order = [v for c in cluster_schedule.order for v in coarsened.members[c]]
+    stream = {v: cluster_schedule.stream[coarsened.cluster_of[v]] for v in order}
+    return build_schedule(dag, order, stream, cluster_schedule.scheduler)
