@@ -46,10 +46,17 @@ class _Captured:
 
 
 class _Snapshot:
-    """Copies of parameters, buffers, gradients and optimizer state, restorable in place."""
+    """Copies of parameters, buffers, gradients, optimizer state and RNG state, restorable in place.
+
+    The RNG state matters for dropout: warm-up draws masks, and without the
+    restore the first replay would draw different masks than the user's first
+    eager step, so the same seed would not give the same run.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
         self.grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
         self.state = {(p, k): v.detach().clone() for p, s in optimizer.state.items()
@@ -69,6 +76,9 @@ class _Snapshot:
                     v.copy_(self.state[(p, k)])
                 else:  # created by warm-up: a fresh optimizer's state is zeros (Adam, SGD momentum)
                     v.zero_()
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:

@@ -5,6 +5,7 @@
 Dropout masks match eager only with inductor's ``fallback_random``; it is on here.
 """
 import argparse
+import dataclasses
 import copy
 import sys
 import time
@@ -22,18 +23,24 @@ def main() -> int:
     p.add_argument("--model", default="googlenet")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--streams", type=int, nargs="+", default=[4])
+    p.add_argument("--no-dropout", action="store_true", help="set every dropout's p to 0")
+    p.add_argument("--segments", default="inductor", choices=["inductor", "eager"])
     a = p.parse_args()
     torch._inductor.config.fallback_random = True
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     make, size = MODELS[a.model]
     torch.manual_seed(0)
     base = make().cuda().train()
+    if a.no_dropout:
+        for mod in base.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = 0.0
     loss_fn = nn.CrossEntropyLoss()
     data = [(torch.randn(a.batch, 3, size, size, device="cuda"), torch.randint(0, 1000, (a.batch,), device="cuda"))
             for _ in range(a.steps)]
     results = {}
-    for label in ("eager", "fused"):
+    for label in ["eager", *[f"fused{k}" for k in a.streams]]:
         m = copy.deepcopy(base)
         opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
         torch.manual_seed(1)
@@ -46,18 +53,22 @@ def main() -> int:
                 opt.step()
                 return loss.detach()
         else:
-            step = concur.train_step(m, loss_fn, opt, data[0], streams=a.streams, compile=True)
+            k = int(label[5:])
+            step = concur.train_step(m, loss_fn, opt, data[0], streams=k, compile=True)
+            if a.segments == "eager":  # same segments and streams, fx code instead of inductor kernels
+                step.backends[k].options = dataclasses.replace(step.backends[k].options, segment_compiler="eager")
         losses = [step(x, y).item() for x, y in data]
         print(f"{label}: {time.perf_counter() - t:.1f} s, losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
-        if label == "fused":
+        if label != "eager":
             print("  graphs captured with streams:", [g.streams for g in step.graphs.values()])
-            for g in step.backends[a.streams].graphs:
+            for g in step.backends[k].graphs:
                 print("  ", g)
         results[label] = (losses, torch.cat([q.detach().flatten() for q in m.parameters()]))
-    (le, pe), (lf, pf) = results["eager"], results["fused"]
-    loss_err = max(abs(x - y) / abs(x) for x, y in zip(le, lf))
-    param_err = ((pe - pf).norm() / pe.norm()).item()
-    print(f"max rel loss diff {loss_err:.2e}, param rel diff {param_err:.2e}")
+    le, pe = results["eager"]
+    for label, (lf, pf) in results.items():
+        loss_err = max(abs(x - y) / abs(x) for x, y in zip(le, lf))
+        param_err = ((pe - pf).norm() / pe.norm()).item()
+        print(f"{label} vs eager: max rel loss diff {loss_err:.2e}, param rel diff {param_err:.2e}")
     return 0
 
 

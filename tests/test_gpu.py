@@ -215,3 +215,68 @@ def test_train_step_smaller_last_batch_gets_its_own_graph():
     allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-4
     print(f"mixed batch sizes: deviation {deviation.tolist()}, allowed {allowed.tolist()}")
     assert deviation[0] < 1e-5 and (deviation <= allowed).all()
+
+
+def _googlenet_with_dropout(p=0.5):
+    return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False, dropout=p)
+
+
+def test_train_step_dropout_same_seed_gives_the_same_run():
+    """Dropout inside the captured graph: masks follow the seed, as in the plain loop.
+
+    Warm-up draws masks too; the snapshot restores the generator, so the first
+    replay draws the masks the user's first eager step would have drawn.
+    """
+    torch.manual_seed(0)
+    model = _googlenet_with_dropout().cuda().train()
+    ref, twin = copy.deepcopy(model), _perturbed(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g),
+                torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(10)]
+    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    runs = []
+    for m in (model, copy.deepcopy(ref)):
+        opt = make_opt(m.parameters())
+        torch.manual_seed(5)
+        step = concur.train_step(m, _loss, opt, batches[0], streams=4)
+        runs.append(torch.tensor(_train(m, opt, batches, step)))
+    torch.manual_seed(5)
+    expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
+    torch.manual_seed(5)
+    envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
+    assert torch.equal(runs[0], runs[1]), "the same seed must give the same run"
+    deviation = (runs[0] - expected).abs() / expected.abs()
+    allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-4
+    print(f"dropout: deviation {deviation.max():.2e}, allowed {allowed.max():.2e}")
+    assert deviation[0] < 1e-5 and (deviation <= allowed).all()
+
+
+def test_train_step_bf16_autocast_matches_the_autocast_loop():
+    torch.manual_seed(0)
+    model = _googlenet_with_dropout(0.0).cuda().train().to(memory_format=torch.channels_last)
+    ref, twin = copy.deepcopy(model), _perturbed(model, rel=1e-3)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g).to(memory_format=torch.channels_last),
+                torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(20)]
+    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+
+    def autocast_loop(m):
+        opt, losses = make_opt(m.parameters()), []
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = _loss(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return torch.tensor(losses)
+
+    opt = make_opt(model.parameters())
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4, amp_dtype=torch.bfloat16)
+    losses = torch.tensor(_train(model, opt, batches, step))
+    assert next(iter(step.graphs.values())).streams == 4
+    expected, envelope = autocast_loop(ref), autocast_loop(twin)
+    deviation = (losses - expected).abs() / expected.abs()
+    allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-2
+    print(f"bf16: deviation {deviation.max():.2e}, allowed {allowed.max():.2e}")
+    assert (deviation <= allowed).all()
