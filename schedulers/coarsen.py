@@ -9,18 +9,18 @@ grouped into clusters, walked in program order:
   value whose consumers lead to different heavy work, the start of parallel
   branches (each consumer's *branch* is the set of the first heavy nodes it
   reaches; a fork has two different non-empty ones);
-* otherwise a node continues the heaviest cluster among its inputs', so a
-  branch stays one cluster and a join (concat, gradient sum) continues one of
-  the branches it joins, provided no other input of the node can be reached
-  from that cluster (which would make a cycle of clusters);
+* a node whose inputs all come from one cluster (and from no fork) continues
+  it, so a branch stays one cluster;
+* a join (inputs from several clusters) starts a new cluster: were it to
+  continue one branch, that whole branch would have to wait for the others;
 * views (``view`` attribute) cost nothing and go with their input; a view or
   cheap op with no inputs goes with its only consumer.
 
 ::
 
         x            x is a fork: a1 and b1 are independent consumers
-       / \\           clusters: {x}  {a1, a2, c}  {b1}
-     a1   b1         (c joins a's cluster, the heavier one)
+       / \\
+     a1   b1         clusters: {x}  {a1, a2}  {b1}  {c}
       |    |
      a2    |
        \\  /
@@ -36,7 +36,7 @@ marked otherwise; a compiler marks pointwise work as not heavy.
 >>> dag = nx.DiGraph([("x", "a1"), ("a1", "a2"), ("x", "b1"), ("a2", "c"), ("b1", "c")])
 >>> nx.set_node_attributes(dag, {"a1": 2.0, "a2": 2.0, "b1": 1.0}, "cost")
 >>> sorted(map(sorted, coarsen(dag).members.values()))
-[['a1', 'a2', 'c'], ['b1'], ['x']]
+[['a1', 'a2'], ['b1'], ['c'], ['x']]
 """
 
 from __future__ import annotations
@@ -84,13 +84,6 @@ def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: s
                 found.add(c)
         return found
 
-    descendants: dict[Hashable, set] = {}
-
-    def reach(u: Hashable) -> set:
-        if u not in descendants:
-            descendants[u] = nx.descendants(dag, u)
-        return descendants[u]
-
     def nearest_heavy(c: Hashable) -> frozenset:
         """The heavy nodes reachable from c without passing another heavy node (c itself if heavy)."""
         found, seen, stack = set(), {c}, [c]
@@ -116,15 +109,10 @@ def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: s
 
     cluster_of: dict[Hashable, int] = {}
     members: dict[int, list[Hashable]] = {}
-    cost: dict[int, float] = {}
-    first: dict[int, Hashable] = {}
     deferred: list[Hashable] = []
 
     def put(v: Hashable, c: int) -> None:
-        if c not in members:
-            members[c], cost[c], first[c] = [], 0.0, v
-        members[c].append(v)
-        cost[c] += node_cost(dag, v)
+        members.setdefault(c, []).append(v)
         cluster_of[v] = c
 
     def pull_deferred(v: Hashable, c: int) -> None:
@@ -142,13 +130,11 @@ def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: s
             deferred.append(v)  # placed with its consumer
             continue
         placed = [u for u in preds if u in cluster_of]
-        if is_view[v] and len(placed) == 1:
-            target = cluster_of[placed[0]]
+        clusters = {cluster_of[u] for u in placed}
+        if len(clusters) == 1 and (is_view[v] or not any(is_fork(origin(u)) for u in placed)):
+            target = clusters.pop()  # a chain goes on; its only entry stays its first member
         else:
-            candidates = {cluster_of[u] for u in placed if not is_fork(origin(u))}
-            candidates = [c for c in candidates
-                          if not any(u not in members[c] and u in reach(first[c]) for u in placed)]
-            target = max(candidates, key=lambda c: (cost[c], -c), default=len(members))
+            target = len(members)  # a branch head, a join, or a source
         pull_deferred(v, target)
         put(v, target)
     for d in deferred:  # a source whose consumer never came (cannot happen in a DAG; kept for safety)
@@ -182,9 +168,12 @@ def merge_small(dag: nx.DiGraph, members: dict[int, tuple], min_cost: float) -> 
     """Merge clusters cheaper than ``min_cost`` into a successor (else a predecessor), keeping a DAG.
 
     A cluster worth less than an event wait is not worth a stream of its
-    own: a recomputed normalisation in a backward graph, a lone view.
+    own: a recomputed normalisation in a backward graph, a gradient sum.
     Consumers are preferred, so such work runs just before the branch that
-    needs it.
+    needs it. A merge is made only if it adds no dependency to the cluster
+    that absorbs it (the small cluster's inputs are already among that
+    cluster's) and leaves no other path between the two (no cycle), so
+    merging never serialises branches that could run side by side.
     """
     result = _cluster_dag(dag, members)
     if min_cost <= 0:
@@ -196,7 +185,9 @@ def merge_small(dag: nx.DiGraph, members: dict[int, tuple], min_cost: float) -> 
         if not small:
             break
         a = min(small, key=lambda c: (coarse.nodes[c]["cost"], c))
-        edges = [(a, b) for b in coarse.successors(a)] + [(p, a) for p in coarse.predecessors(a)]
+        inputs = set(coarse.predecessors(a))
+        edges = [(a, b) for b in coarse.successors(a) if inputs <= set(coarse.predecessors(b))]
+        edges += [(p, a) for p in inputs if inputs <= {p, *coarse.predecessors(p)}]
         valid = [(u, v) for u, v in edges if _merge_keeps_acyclic(coarse, u, v)]
         if not valid:
             stuck.add(a)
