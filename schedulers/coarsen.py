@@ -189,6 +189,9 @@ def merge_small(dag: nx.DiGraph, members: dict[int, tuple], min_cost: float) -> 
         edges = [(a, b) for b in coarse.successors(a) if inputs <= set(coarse.predecessors(b))]
         edges += [(p, a) for p in inputs if inputs <= {p, *coarse.predecessors(p)}]
         valid = [(u, v) for u, v in edges if _merge_keeps_acyclic(coarse, u, v)]
+        if not valid and coarse.degree(a) == 0 and len(coarse) > 1:
+            # unconnected (BatchNorm's num_batches_tracked + 1): joining any cluster adds no dependency
+            valid = [(min(c for c in coarse if c != a), a)]
         if not valid:
             stuck.add(a)
             continue

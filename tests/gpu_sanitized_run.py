@@ -1,6 +1,7 @@
 """Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
 
-Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--inception]
+Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--inception] [--compile]
+``--compile`` runs the fused path (torch.compile with the concur backend) without a graph.
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
 
@@ -24,8 +25,11 @@ with cuda_sanitizer():
     x = torch.randn(4, 3, size, size, device="cuda")
     y = torch.randint(0, 1000, (4,), device="cuda")
     step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01,
-                             momentum=0.9), (x, y), streams=4, cuda_graph=False)
+                             momentum=0.9), (x, y), streams=4, cuda_graph=False,
+                             compile="--compile" in sys.argv)
     for _ in range(2):
         loss = step(torch.randn_like(x), y)
     torch.cuda.synchronize()
-    print(f"sanitized run finished, loss {loss.item():.4f}, streams {step.module.schedule.num_streams}")
+    streams = [g.num_streams for b in step.backends.values() for g in b.graphs] if step.compile \
+        else step.module.schedule.num_streams
+    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}")

@@ -224,3 +224,12 @@ def test_merge_small_with_a_huge_min_cost_stays_acyclic(dag):
     merged = merge_small(dag, members, min_cost=1e12)
     check_coarsened(dag, merged)
     assert len(merged.members) <= len(members)
+
+
+def test_an_unconnected_cheap_op_joins_a_cluster_instead_of_a_stream_of_its_own():
+    # BatchNorm's num_batches_tracked + 1 depends on nothing and nothing depends on it
+    dag = dag_of([("conv", "relu")], {"conv": 50.0, "relu": 1.0})
+    dag.add_node("bump", cost=0.5)
+    coarse = coarsen(dag, min_cost=10.0)
+    assert clusters(coarse) == [["bump", "conv", "relu"]]
+    assert expand(dag, coarse, schedule(coarse.dag, 4, "critical_path")).num_streams == 1
