@@ -140,6 +140,17 @@ def _open_nvml(nvml: Any, index: int) -> tuple[Any, Any, str]:
     return nvml, handle, name.decode() if isinstance(name, bytes) else str(name)
 
 
+def driver_version() -> str:
+    """Return the NVIDIA driver version from NVML, or "unknown" without NVML or a GPU (for result files)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - no library, no driver, no GPU: all mean unknown
+        return "unknown"
+
+
 def nvml_index(cuda_index: int = 0) -> int:
     """Return the NVML index of CUDA device ``cuda_index`` (NVML ignores CUDA_VISIBLE_DEVICES)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")

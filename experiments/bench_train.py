@@ -25,6 +25,7 @@ import torch.nn as nn
 import torchvision
 
 import concur
+from concur.monitor import driver_version
 from concur.timing import time_cuda_ms
 
 MODELS = {
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
         return 2
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, cuda=torch.version.cuda, concur=concur.__version__,
-                driver=_driver())
+                driver=driver_version())
     print(f"{meta['date']}  {meta['gpu']}  torch {meta['torch']}  driver {meta['driver']}")
     rows = []
     for precision in args.precision:
@@ -145,15 +146,6 @@ def main(argv=None) -> int:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
     print_table(rows)
     return 0
-
-
-def _driver() -> str:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml.nvmlSystemGetDriverVersion()
-    except Exception:
-        return "unknown"
 
 
 def print_table(rows: list[dict]) -> None:

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torchvision
 
 import concur
-from concur.monitor import Monitor
+from concur.monitor import Monitor, driver_version
 from concur.profile_trace import parse_trace, profile_steps
 from concur.report import write_report
 from concur.rundir import Case, RunWriter, Variant
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sweep = [1] + args.sweep  # the serial graph is the baseline of every ratio
     gpu = torch.cuda.get_device_name() if Device.on_cuda() else "cpu (smoke run: not a result)"
     meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__,
-                cuda=torch.version.cuda, concur=concur.__version__, driver=_driver(),
+                cuda=torch.version.cuda, concur=concur.__version__, driver=driver_version(),
                 timing=f"CUDA events, median and IQR of {args.repeats} steps after 5 warm-up steps")
     print(f"{meta['date']}  {meta['gpu']}  torch {meta['torch']}  driver {meta['driver']}", flush=True)
     out = Path(args.out)
@@ -363,15 +363,6 @@ def _write_results(out: Path, writer: RunWriter, done: list, start: float) -> di
 
 def _f(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _driver() -> str:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml.nvmlSystemGetDriverVersion()
-    except Exception:
-        return "unknown"
 
 
 if __name__ == "__main__":
