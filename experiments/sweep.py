@@ -1,0 +1,586 @@
+"""Sweep models x batch sizes x precisions x modes; one subprocess per configuration, resumable.
+
+    python -m experiments.sweep                                   # everything, on the GPU
+    python -m experiments.sweep --models googlenet branchy:8x64 --batches 8 64 --precisions bf16
+    python -m experiments.sweep --out experiments/results/2026-12-01-h100 --resume
+    python -m experiments.sweep --cpu-smoke --out /tmp/smoke       # tiny nets on CPU: plumbing only
+
+Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
+
+    eager               the plain loop (zero_grad, forward under autocast, backward, step)
+    eager_streams:K     concur's plan on K streams without a graph (train_step, cuda_graph=False)
+    serial_graph        whole-step CUDA graph, one stream (train_step streams=1)
+    concur_graph:K      whole-step CUDA graph with K streams; concur_graph:auto uses streams="auto"
+    compile             torch.compile(model) in the plain loop
+    compile_graph       torch.compile + whole-step CUDA graph (train_step streams=1, compile=True)
+    reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
+                        torch.compiler.cudagraph_mark_step_begin() before each step
+    fused:K             concur's torch.compile backend on K streams + whole-step graph
+    critical_path       not a step time: profiles the forward op by op and reports the
+                        longest dependency path of the measured kernel times (the bound)
+
+Every configuration runs in its own ``python -m experiments.sweep --one '<json>'``,
+so a crash, an OOM or a hang (``--timeout-per-config``) is recorded and the sweep
+goes on; a mode that raises is a result too. Results are appended to
+``results.jsonl`` as they come; ``--resume`` skips configurations already there.
+At the end ``results.json``, ``results.csv``, ``summary.md`` and PNG plots are
+written; each names the date, GPU, driver and torch version.
+Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
+             "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
+CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", "fused", "critical_path")
+CONCUR_MODES = ("eager_streams", "concur_graph", "fused")  # the rest are the alternatives a user has
+DEFAULT_BATCHES = [8, 32, 64, 128]
+SMOKE = dict(models=["branchy:2x8", "nascell:8"], batches=[2], precisions=["fp32"],
+             modes=["eager", "eager_streams:2", "serial_graph", "critical_path"], image_size=32, repeats=3)
+NODE_RANGE = "concur_node::"  # record_function prefix naming a plan node in a profiler trace
+
+
+def config_key(cfg: dict) -> str:
+    """Return the identity of a configuration in results.jsonl (what --resume matches)."""
+    return f"{cfg['model']}|{cfg['batch']}|{cfg['precision']}|{cfg['mode']}"
+
+
+def run_meta() -> dict:
+    """Return date, GPU, driver, torch and CUDA versions: the fields every result file carries."""
+    import torch
+
+    import concur
+    from concur.monitor import driver_version
+
+    cuda = torch.cuda.is_available()
+    return dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if cuda else "cpu",
+                driver=driver_version(), torch=torch.__version__, cuda=torch.version.cuda,
+                concur=concur.__version__)
+
+
+# --------------------------------------------------------------------------- critical-path bound
+
+
+@dataclass(frozen=True)
+class CriticalPathBound:
+    """Forward-pass DAG with measured kernel times: their sum, the longest path, and coverage."""
+
+    serial_us: float
+    critical_path_us: float
+    nodes_measured: int
+    nodes_total: int
+
+    @property
+    def bound_speedup(self) -> float:
+        """Serial time over the critical path: no number of streams runs the forward faster."""
+        return self.serial_us / self.critical_path_us if self.critical_path_us > 0 else 1.0
+
+
+def node_times_from_trace(events: list[dict]) -> tuple[dict[str, float], set[str]]:
+    """Return (mean GPU µs per plan node per run, nodes seen) from Chrome-trace events.
+
+    A kernel belongs to the node whose ``concur_node::<name>`` CPU range holds
+    the runtime call that launched it (linked by ``correlation``), so kernels
+    that run later, asynchronously, are still charged to the right node.
+    """
+    from concur.profile_trace import GPU_CATEGORIES, LAUNCH_CATEGORIES
+
+    ranges, launches, kernels = [], {}, []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if name.startswith(NODE_RANGE) and cat != "gpu_user_annotation":
+            ranges.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), name[len(NODE_RANGE):]))
+        elif cat in LAUNCH_CATEGORIES and (e.get("args") or {}).get("correlation") is not None:
+            launches[e["args"]["correlation"]] = float(e["ts"])
+        elif cat in GPU_CATEGORIES:
+            kernels.append(e)
+    ranges.sort()
+    runs: dict[str, int] = {}
+    for _, _, name in ranges:
+        runs[name] = runs.get(name, 0) + 1
+    total: dict[str, float] = {}
+    for k in kernels:
+        ts = launches.get((k.get("args") or {}).get("correlation"))
+        if ts is None:
+            continue
+        # Innermost range holding the launch: the one that started last before it.
+        owner = next((n for s, e, n in reversed(ranges) if s <= ts <= e), None)
+        if owner is not None:
+            total[owner] = total.get(owner, 0.0) + float(k.get("dur", 0))
+    return {n: total.get(n, 0.0) / runs[n] for n in runs}, set(runs)
+
+
+def critical_path_bound(trace_path: str | os.PathLike, plan: Any) -> CriticalPathBound:
+    """Return the critical-path bound of ``plan.dag`` with node costs measured in a profiler trace.
+
+    The trace must hold ``concur_node::<node>`` ranges (see :func:`profile_plan_nodes`).
+    Nodes that launched no kernel cost 0; nodes absent from the trace keep no
+    cost either and are counted out of ``nodes_measured``.
+    """
+    from concur.profile_trace import load_events
+    from schedulers.analysis import critical_path_length
+
+    times, seen = node_times_from_trace(load_events(trace_path))
+    dag = plan.dag.copy()
+    for name, data in dag.nodes(data=True):
+        data["cost"] = times.get(name, 0.0)
+    return CriticalPathBound(serial_us=sum(times.get(n, 0.0) for n in dag.nodes),
+                             critical_path_us=critical_path_length(dag),
+                             nodes_measured=len(seen & set(dag.nodes)), nodes_total=dag.number_of_nodes())
+
+
+def profile_plan_nodes(plan: Any, inputs: tuple, path: Path, amp_dtype: Any, runs: int = 3) -> Path:
+    """Run the plan's traced forward op by op, each node in a ``concur_node::`` range; write a trace.
+
+    Serially, on one stream: the point is each node's own kernel time, free of
+    contention, which is what the bound assumes.
+    """
+    import torch
+    import torch.fx as fx
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    class Named(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            with record_function(NODE_RANGE + n.name):
+                return super().run_node(n)
+
+    interp = Named(plan.traced)
+
+    def forward() -> None:
+        with torch.autocast("cuda", dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            interp.run(*inputs)
+
+    forward()  # warm-up: cuDNN autotuning and lazy init stay out of the trace
+    torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            forward()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+# --------------------------------------------------------------------------- one configuration (child)
+
+
+def _time_cpu_ms(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return statistics.median(times), q[2] - q[0]
+
+
+def _streams_arg(mode: str) -> int | str:
+    k = mode.split(":", 1)[1] if ":" in mode else "1"
+    return "auto" if k == "auto" else int(k)
+
+
+def run_one(cfg: dict) -> dict:
+    """Measure one configuration in this process; return its result row (errors are rows too)."""
+    import torch
+    import torch.nn as nn
+
+    import concur
+    from concur.monitor import Monitor, nvml_index
+    from concur.timing import time_cuda_ms
+    from experiments.sweep_models import build
+
+    row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok")
+    row.pop("fail", None)
+    mode, kind = cfg["mode"], cfg["mode"].split(":")[0]
+    cuda = torch.cuda.is_available()
+    if kind in CUDA_MODES and not cuda:
+        return dict(row, status="skipped: no CUDA")
+    if cfg.get("fail") == "raise":
+        raise RuntimeError("forced failure (--inject-failure)")
+    if cfg.get("fail") == "crash":
+        os.abort()  # as a segfault or the OOM killer would: no row from the child at all
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    model, size = build(cfg["model"])
+    size = cfg.get("image_size") or size
+    bf16 = cfg["precision"] == "bf16"
+    amp_dtype = torch.bfloat16 if bf16 else None
+    layout = torch.channels_last if bf16 else torch.contiguous_format
+    model = model.to(device).train().to(memory_format=layout)
+    x = torch.randn(cfg["batch"], 3, size, size, device=device).to(memory_format=layout)
+    y = torch.randint(0, 1000, (cfg["batch"],), device=device)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    if kind == "critical_path":
+        module = concur.optimize(model, (x,), streams=4)
+        trace = Path(cfg["out"]) / "traces" / (row["key"].replace("|", "_").replace(":", "-") + ".json")
+        bound = critical_path_bound(profile_plan_nodes(module.plan, (x,), trace, amp_dtype), module.plan)
+        return dict(row, fwd_serial_us=bound.serial_us, fwd_critical_path_us=bound.critical_path_us,
+                    bound_speedup=bound.bound_speedup, nodes_measured=bound.nodes_measured,
+                    nodes_total=bound.nodes_total, trace=str(trace))
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+
+    def plain_loop(module: nn.Module, mark_step: bool = False) -> Callable[[], None]:
+        def fn() -> None:
+            if mark_step:  # reduce-overhead's docs: mark each iteration so graph outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                loss = loss_fn(module(x), y)
+            loss.backward()
+            opt.step()
+        return fn
+
+    step = None
+    if kind == "eager":
+        fn = plain_loop(model)
+    elif kind == "compile":
+        fn = plain_loop(torch.compile(model))
+    elif kind == "reduce_overhead":
+        fn = plain_loop(torch.compile(model, mode="reduce-overhead"), mark_step=True)
+    else:  # every concur path goes through train_step, as experiments/bench_train.py does
+        streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
+        step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
+                                 compile=kind in ("compile_graph", "fused"), amp_dtype=amp_dtype)
+
+        def fn() -> None:
+            step(x, y)
+    fn()  # the first step compiles or captures
+    if cuda:
+        torch.cuda.synchronize()
+    row["setup_s"] = time.perf_counter() - t0
+    warmup, repeats = cfg.get("warmup", 5), cfg.get("repeats", 30)
+    if cuda:
+        with Monitor(nvml_index()) as mon:
+            row["ms"], row["iqr_ms"] = time_cuda_ms(fn, warmup=warmup, repeats=repeats)
+        row["util_percent"] = mon.record.mean_utilization()
+        row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    else:
+        row["ms"], row["iqr_ms"] = _time_cpu_ms(fn, warmup, repeats)
+        row["util_percent"] = row["peak_mb"] = None
+    if step is not None:
+        row["streams_requested"] = step.requested_streams
+        row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
+        if kind in CONCUR_MODES:
+            k = row["graph_streams"] or step.requested_streams
+            predicted = concur.inspect(model, (x,), max_streams=max(k, 1)).predicted_speedup
+            row["predicted_speedup"] = predicted.get(k)
+    return row
+
+
+def child_main(config_json: str) -> int:
+    """Entry of ``--one``: print exactly one JSON row on stdout's last line."""
+    cfg = json.loads(config_json)
+    started = time.time()
+    try:
+        row = run_one(cfg)
+    except Exception as exc:  # a failing mode is a result
+        row = dict(cfg, key=config_key(cfg), started=started, status="error", error=f"{type(exc).__name__}: {exc}",
+                   traceback=traceback.format_exc()[-2000:])
+        row.pop("fail", None)
+    row.update(run_meta())
+    print(json.dumps(row, default=str), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the sweep (parent)
+
+
+def run_in_subprocess(cfg: dict, timeout_s: float, meta: dict) -> dict:
+    """Run one configuration in a fresh interpreter; a crash or timeout becomes an error row."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    base = dict(cfg, key=config_key(cfg), started=time.time(), **meta)
+    base.pop("fail", None)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "experiments.sweep", "--one", json.dumps(cfg)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(base, status="error", error=f"timeout after {timeout_s:.0f} s")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (proc.stderr or "")[-1500:]
+    return dict(base, status="error", error=f"subprocess exited with {proc.returncode} (crash or OOM kill?)",
+                stderr_tail=tail)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Return the rows of a results.jsonl; a line cut off by an interruption is ignored."""
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s / 60:.0f}m{s % 60:02.0f}s" if s >= 60 else f"{s:.0f}s"
+
+
+class Progress:
+    """One stderr line per finished configuration: count, percent, elapsed and estimated time left."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    def update(self, key: str, status: str) -> None:
+        self.done += 1
+        elapsed = time.time() - self.t0
+        left = elapsed / self.done * (self.total - self.done)
+        width = 24
+        bar = "#" * round(width * self.done / self.total)
+        print(f"[{bar:<{width}}] {self.done}/{self.total} {100 * self.done / self.total:3.0f}%  "
+              f"elapsed {_fmt_s(elapsed)}  left ~{_fmt_s(left)}  {key}: {status[:60]}", file=sys.stderr, flush=True)
+
+
+def make_configs(args: argparse.Namespace) -> list[dict]:
+    """Return the configurations to run, in sweep order; critical_path once per model/batch/precision."""
+    configs = []
+    for precision in args.precisions:
+        for model in args.models:
+            for batch in args.batches:
+                for mode in args.modes:
+                    cfg = dict(model=model, batch=batch, precision=precision, mode=mode, repeats=args.repeats,
+                               warmup=args.warmup, out=str(args.out))
+                    if args.image_size:
+                        cfg["image_size"] = args.image_size
+                    for spec in args.inject_failure:
+                        needle, _, how = spec.rpartition("=")
+                        if needle == config_key(cfg):
+                            cfg["fail"] = how
+                    configs.append(cfg)
+    return configs
+
+
+def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tuple[list[dict], int]:
+    """Run the configurations not yet in ``out/results.jsonl``; return (all rows, launched count)."""
+    import torch  # noqa: F401 - run_meta's imports, once in the parent
+
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "results.jsonl"
+    if jsonl.exists() and not resume:
+        raise SystemExit(f"{jsonl} exists: pass --resume to continue that run, or another --out")
+    if jsonl.exists() and jsonl.read_text()[-1:] not in ("", "\n"):
+        with open(jsonl, "a") as f:  # a line cut by the interruption must not swallow the next row
+            f.write("\n")
+    done = {r["key"] for r in read_rows(jsonl)}
+    todo = [c for c in configs if config_key(c) not in done]
+    print(f"{len(configs)} configurations, {len(configs) - len(todo)} already in {jsonl}, running {len(todo)}",
+          file=sys.stderr, flush=True)
+    meta = run_meta()
+    progress = Progress(len(todo))
+    for cfg in todo:
+        row = run_in_subprocess(cfg, timeout_s, meta)
+        with open(jsonl, "a") as f:  # appended at once: an interrupted sweep keeps every finished row
+            f.write(json.dumps(row, default=str) + "\n")
+        progress.update(row["key"], row["status"] if row["status"] != "error" else "ERROR " + row["error"])
+    return read_rows(jsonl), len(todo)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _meta_line(meta: dict) -> str:
+    return f"{meta['date']}, {meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}"
+
+
+def best_speedups(rows: list[dict]) -> list[dict]:
+    """Per (model, precision, batch): best concur mode time, best alternative, and their ratio."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("ms"):
+            groups.setdefault((r["model"], r["precision"], r["batch"]), []).append(r)
+    for (model, precision, batch), rs in sorted(groups.items()):
+        ours = [r for r in rs if r["mode"].split(":")[0] in CONCUR_MODES]
+        alts = [r for r in rs if r["mode"].split(":")[0] not in CONCUR_MODES]
+        if ours and alts:
+            o, a = min(ours, key=lambda r: r["ms"]), min(alts, key=lambda r: r["ms"])
+            out.append(dict(model=model, precision=precision, batch=batch, concur_mode=o["mode"], concur_ms=o["ms"],
+                            best_alternative=a["mode"], alternative_ms=a["ms"], speedup=a["ms"] / o["ms"]))
+    return out
+
+
+def bound_rows(rows: list[dict]) -> list[dict]:
+    """Per (model, precision, batch) with a critical_path row: bound vs achieved (concur graph vs serial graph)."""
+    out = []
+    for cp in (r for r in rows if r["mode"] == "critical_path" and r.get("status") == "ok"):
+        same = [r for r in rows if (r["model"], r["precision"], r["batch"]) == (cp["model"], cp["precision"], cp["batch"])
+                and r.get("status") == "ok" and r.get("ms")]
+        serial = next((r for r in same if r["mode"] == "serial_graph"), None)
+        graphs = [r for r in same if r["mode"].startswith("concur_graph")]
+        achieved = serial["ms"] / min(r["ms"] for r in graphs) if serial and graphs else None
+        out.append(dict(model=cp["model"], precision=cp["precision"], batch=cp["batch"],
+                        fwd_serial_us=cp["fwd_serial_us"], fwd_critical_path_us=cp["fwd_critical_path_us"],
+                        bound_speedup=cp["bound_speedup"], achieved_speedup=achieved,
+                        achieved_over_bound=achieved / cp["bound_speedup"] if achieved else None))
+    return out
+
+
+def write_reports(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """Write results.json, results.csv, summary.md and speedup plots; return their paths."""
+    written = []
+    path = out / "results.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    written.append(path)
+
+    path = out / "results.csv"
+    skip = {"traceback", "stderr_tail"}
+    fields = ["date", "gpu", "driver", "torch"] + sorted({k for r in rows for k in r} - skip - {"date", "gpu", "driver", "torch"})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: meta[k] for k in ("date", "gpu", "driver", "torch")}, **r})
+    written.append(path)
+
+    written += plot_speedups(rows, meta, out)
+    path = out / "summary.md"
+    path.write_text(summary_markdown(rows, meta, [p.name for p in written if p.suffix == ".png"]))
+    written.append(path)
+    return written
+
+
+def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
+    """Return the Markdown summary: every configuration, the speedups, the bounds, the failures."""
+    lines = [f"# Sweep: {_meta_line(meta)}", "",
+             f"CUDA {meta.get('cuda')}, concur {meta.get('concur')}. {len(rows)} configurations; "
+             "times are medians with the interquartile range; speedups compare modes of the same sweep.", "",
+             "| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["batch"], r["mode"])):
+        status = r.get("status", "")
+        ms = f"{r['ms']:.2f} ({r['iqr_ms']:.2f})" if r.get("ms") else ""
+        lines.append(f"| {r['model']} | {r['precision']} | {r['batch']} | {r['mode']} | {status} | {ms} | "
+                     f"{num(r.get('setup_s'), '.1f')} | {num(r.get('peak_mb'), '.0f')} | "
+                     f"{num(r.get('util_percent'), '.0f')} | {num(r.get('predicted_speedup'), '.2f')} |")
+    best = best_speedups(rows)
+    if best:
+        lines += ["", "## Best concur mode vs best alternative", "",
+                  "| model | precision | batch | concur mode | ms | best alternative | ms | speedup |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['model']} | {b['precision']} | {b['batch']} | {b['concur_mode']} | {b['concur_ms']:.2f} | "
+                  f"{b['best_alternative']} | {b['alternative_ms']:.2f} | {b['speedup']:.2f}x |" for b in best]
+    bounds = bound_rows(rows)
+    if bounds:
+        lines += ["", "## Critical-path bound (forward DAG, measured kernel times)", "",
+                  "The bound is the forward pass's serial kernel time over its longest dependency path; "
+                  "achieved is serial graph over the best concur graph, for the whole step.", "",
+                  "| model | precision | batch | fwd serial µs | critical path µs | bound | achieved | achieved/bound |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['model']} | {b['precision']} | {b['batch']} | {b['fwd_serial_us']:.0f} | "
+                  f"{b['fwd_critical_path_us']:.0f} | {b['bound_speedup']:.2f}x | {num(b['achieved_speedup'], '.2f')} | "
+                  f"{num(b['achieved_over_bound'], '.2f')} |" for b in bounds]
+    errors = [r for r in rows if r.get("status") == "error"]
+    if errors:
+        lines += ["", "## Failures (results, not the end of the sweep)", ""]
+        lines += [f"- `{r['key']}`: {r['error'][:300]}" for r in errors]
+    lines += ["", *[f"![{p}]({p})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def plot_speedups(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """Plot, per precision, best concur mode over best alternative vs batch size, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_speedups(rows)
+    paths = []
+    for precision in sorted({b["precision"] for b in best}):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for model in sorted({b["model"] for b in best if b["precision"] == precision}):
+            pts = sorted((b["batch"], b["speedup"]) for b in best if (b["model"], b["precision"]) == (model, precision))
+            ax.plot(*zip(*pts), marker="o", label=model)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup: best concur mode / best alternative")
+        ax.set_title(f"{precision}: {_meta_line(meta)}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"speedup_{precision}.png"
+        fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def default_out(meta: dict) -> Path:
+    gpu = "".join(c if c.isalnum() else "-" for c in meta["gpu"].lower()).strip("-")
+    return REPO / "experiments" / "results" / f"{meta['date']}-{gpu}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", metavar="JSON", help="internal: run one configuration, print its row")
+    parser.add_argument("--models", nargs="+", help="default: torchvision three, branchy:8x64, branchy:4x128, nascell")
+    parser.add_argument("--batches", nargs="+", type=int, help=f"default {DEFAULT_BATCHES}")
+    parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"],
+                        help="bf16 = bf16 autocast + channels-last model and inputs (default both)")
+    parser.add_argument("--modes", nargs="+", help=f"default: {' '.join(ALL_MODES)}")
+    parser.add_argument("--out", type=Path, help="run directory (default experiments/results/<date>-<gpu>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished configs")
+    parser.add_argument("--timeout-per-config", type=float, default=900.0, help="seconds (default 900)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--image-size", type=int, help="override every model's input size")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help=f"tiny defaults that finish on CPU: {SMOKE['models']}, batch {SMOKE['batches']}, "
+                             f"{SMOKE['image_size']}px, modes {SMOKE['modes']}")
+    parser.add_argument("--inject-failure", nargs="*", default=[], metavar="KEY=raise|crash",
+                        help="testing the sweep itself: the configuration model|batch|precision|mode raises or aborts")
+    args = parser.parse_args(argv)
+    if args.one:
+        return child_main(args.one)
+    from experiments.sweep_models import DEFAULT_MODELS
+
+    smoke = SMOKE if args.cpu_smoke else {}
+    args.models = args.models or smoke.get("models") or DEFAULT_MODELS
+    args.batches = args.batches or smoke.get("batches") or DEFAULT_BATCHES
+    args.precisions = args.precisions or smoke.get("precisions") or ["fp32", "bf16"]
+    args.modes = args.modes or smoke.get("modes") or list(ALL_MODES)
+    args.image_size = args.image_size or smoke.get("image_size")
+    if args.cpu_smoke:
+        args.repeats, args.warmup = min(args.repeats, SMOKE["repeats"]), min(args.warmup, 1)
+    meta = run_meta()
+    args.out = args.out or default_out(meta)
+    rows, launched = sweep(make_configs(args), args.out, args.resume, args.timeout_per_config)
+    for path in write_reports(rows, meta, args.out):
+        print(path, file=sys.stderr)
+    print(f"launched {launched} configuration(s); {len(rows)} rows in {args.out / 'results.jsonl'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""experiments/sweep.py on CPU: the files, resume, failures as results, the synthetic nets, the bound."""
+
+from __future__ import annotations
+
+import csv
+import json
+import types
+
+import networkx as nx
+import pytest
+import torch
+
+import concur
+from experiments import sweep
+from experiments.sweep_models import BranchyNet, build
+
+META_KEYS = ("date", "gpu", "torch", "driver")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One smoke sweep: a real tiny net, an unknown model (raises), and a child that aborts."""
+    out = tmp_path_factory.mktemp("sweep")
+    args = ["--cpu-smoke", "--models", "branchy:2x8", "nosuch", "--modes", "eager", "eager_streams:2",
+            "serial_graph", "--repeats", "2", "--out", str(out), "--inject-failure", "nosuch|2|fp32|eager=crash"]
+    assert sweep.main(args) == 0
+    return out, args
+
+
+def test_smoke_sweep_writes_every_file_with_meta(smoke_run):
+    out, _ = smoke_run
+    rows = sweep.read_rows(out / "results.jsonl")
+    assert len(rows) == 6
+    for r in rows:
+        assert all(r.get(k) for k in META_KEYS), r
+    data = json.loads((out / "results.json").read_text())
+    assert all(data["meta"][k] for k in META_KEYS) and data["meta"]["torch"] == torch.__version__
+    with open(out / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 6 and all(row["torch"] == torch.__version__ and row["gpu"] for row in table)
+    md = (out / "summary.md").read_text()
+    assert torch.__version__ in md and data["meta"]["date"] in md and "driver" in md
+    from PIL import Image
+
+    png = Image.open(out / "speedup_fp32.png")
+    assert json.loads(png.text["Description"])["torch"] == torch.__version__
+
+
+def test_cuda_modes_are_skipped_and_measured_modes_have_times(smoke_run):
+    rows = {r["key"]: r for r in sweep.read_rows(smoke_run[0] / "results.jsonl")}
+    assert rows["branchy:2x8|2|fp32|serial_graph"]["status"] == "skipped: no CUDA"
+    for mode in ("eager", "eager_streams:2"):
+        r = rows[f"branchy:2x8|2|fp32|{mode}"]
+        assert r["status"] == "ok" and r["ms"] > 0 and r["setup_s"] >= 0
+    assert rows["branchy:2x8|2|fp32|eager_streams:2"]["predicted_speedup"] > 1.0
+
+
+def test_failures_are_recorded_and_the_sweep_goes_on(smoke_run):
+    rows = {r["key"]: r for r in sweep.read_rows(smoke_run[0] / "results.jsonl")}
+    crashed = rows["nosuch|2|fp32|eager"]  # the child aborted: no row of its own, the parent wrote one
+    assert crashed["status"] == "error" and "subprocess exited" in crashed["error"]
+    raised = rows["nosuch|2|fp32|eager_streams:2"]
+    assert raised["status"] == "error" and "unknown model" in raised["error"]
+    assert "nosuch|2|fp32|eager" in (smoke_run[0] / "summary.md").read_text()
+
+
+def test_resume_runs_only_what_is_missing(smoke_run, capsys):
+    out, args = smoke_run
+    jsonl = out / "results.jsonl"
+    before = sweep.read_rows(jsonl)
+    with pytest.raises(SystemExit, match="--resume"):  # never appends to an old run by accident
+        sweep.main(args)
+    capsys.readouterr()
+    assert sweep.main(args + ["--resume"]) == 0
+    assert "launched 0 configuration(s)" in capsys.readouterr().err
+    # Interrupted mid-write: the last row is lost and a cut line is left behind.
+    lines = jsonl.read_text().splitlines()
+    jsonl.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    assert sweep.main(args + ["--resume"]) == 0
+    assert "launched 1 configuration(s)" in capsys.readouterr().err
+    after = sweep.read_rows(jsonl)
+    assert [r["started"] for r in after[:-1]] == [r["started"] for r in before[:-1]]
+    assert after[-1]["key"] == before[-1]["key"]
+
+
+@pytest.mark.parametrize("branches", [1, 3, 8, 16])
+def test_branchy_net_has_the_requested_branch_count(branches):
+    model, size = build(f"branchy:{branches}x8")
+    assert all(len(block.branches) == branches for block in model.blocks)
+    assert concur.inspect(model, (torch.randn(2, 3, 32, 32),)).width == branches
+
+
+def test_nas_cell_net_traces_whole_and_is_branchy():
+    model, size = build("nascell:8")
+    info = concur.inspect(model, (torch.randn(2, 3, size, size),))
+    assert not info.auto_leaves and info.width >= 4 and info.predicted_speedup[4] > 1.0
+
+
+def test_bad_model_names_say_how_to_write_them():
+    with pytest.raises(ValueError, match=r"branchy:<branches>x<width>"):
+        build("branchy:eight")
+    with pytest.raises(ValueError, match="1..16"):
+        BranchyNet(17, 8)
+
+
+def test_critical_path_bound_from_a_trace(tmp_path):
+    """Diamond a -> (b, c) -> d; kernels 1, 10, 5, 1 µs: serial 17, longest path 12."""
+    dag = nx.DiGraph([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    events = []
+    for i, (node, dur) in enumerate([("a", 1), ("b", 10), ("c", 5), ("d", 1)]):
+        t = 100 * i
+        events += [dict(ph="X", cat="user_annotation", name=sweep.NODE_RANGE + node, ts=t, dur=50),
+                   dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t + 5, dur=2,
+                        args=dict(correlation=i)),
+                   dict(ph="X", cat="kernel", name=f"k{node}", ts=t + 30, dur=dur, args=dict(correlation=i))]
+    # A kernel launched outside any node range (e.g. the optimizer) is charged to no node.
+    events.append(dict(ph="X", cat="kernel", name="stray", ts=999, dur=100, args=dict(correlation=99)))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    bound = sweep.critical_path_bound(path, types.SimpleNamespace(dag=dag))
+    assert (bound.serial_us, bound.critical_path_us) == (17.0, 12.0)
+    assert bound.nodes_measured == bound.nodes_total == 4
+    assert bound.bound_speedup == pytest.approx(17 / 12)
+
+
+def test_best_speedup_compares_concur_modes_with_alternatives():
+    rows = [dict(model="m", precision="fp32", batch=8, mode=mode, status="ok", ms=ms)
+            for mode, ms in [("eager", 10.0), ("compile_graph", 4.0), ("concur_graph:4", 3.0), ("fused:4", 2.0)]]
+    [best] = sweep.best_speedups(rows)
+    assert (best["concur_mode"], best["best_alternative"], best["speedup"]) == ("fused:4", "compile_graph", 2.0)
