@@ -1,8 +1,9 @@
-"""Time GPU work with CUDA events: warm-up first, then the median and spread of repeats."""
+"""Time work with CUDA events (GPU) or the wall clock (CPU): warm-up first, then median and spread."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -22,4 +23,17 @@ def time_cuda_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -
         end.synchronize()
         times.append(start.elapsed_time(end))
     q = statistics.quantiles(times, n=4)
+    return statistics.median(times), q[2] - q[0]
+
+
+def time_wall_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> tuple[float, float]:
+    """Return the median and interquartile range (ms) of ``fn`` timed with the wall clock (CPU runs)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - t0))
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return statistics.median(times), q[2] - q[0]

@@ -33,7 +33,6 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -49,7 +48,7 @@ from concur.monitor import Monitor, driver_version
 from concur.profile_trace import parse_trace, profile_steps
 from concur.report import write_report
 from concur.rundir import Case, RunWriter, Variant
-from concur.timing import time_cuda_ms
+from concur.timing import time_cuda_ms, time_wall_ms
 from concur.tuner import Config, tune_train_step
 
 MODELS = {
@@ -82,17 +81,8 @@ class Device:
 
     @classmethod
     def time_ms(cls, fn: Callable[[], Any], warmup: int, repeats: int) -> tuple[float, float]:
-        if cls.on_cuda():
-            return time_cuda_ms(fn, warmup=warmup, repeats=repeats)
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-        return statistics.median(times), q[2] - q[0]
+        timer = time_cuda_ms if cls.on_cuda() else time_wall_ms
+        return timer(fn, warmup=warmup, repeats=repeats)
 
     @classmethod
     def reset_peak(cls) -> float:

@@ -35,7 +35,6 @@ import csv
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -181,18 +180,6 @@ def profile_plan_nodes(plan: Any, inputs: tuple, path: Path, amp_dtype: Any, run
 # --------------------------------------------------------------------------- one configuration (child)
 
 
-def _time_cpu_ms(fn: Callable[[], object], warmup: int, repeats: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return statistics.median(times), q[2] - q[0]
-
-
 def _streams_arg(mode: str) -> int | str:
     k = mode.split(":", 1)[1] if ":" in mode else "1"
     return "auto" if k == "auto" else int(k)
@@ -205,7 +192,7 @@ def run_one(cfg: dict) -> dict:
 
     import concur
     from concur.monitor import Monitor, nvml_index
-    from concur.timing import time_cuda_ms
+    from concur.timing import time_cuda_ms, time_wall_ms
     from experiments.sweep_models import build
 
     row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok")
@@ -282,7 +269,7 @@ def run_one(cfg: dict) -> dict:
         row["util_percent"] = mon.record.mean_utilization()
         row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
     else:
-        row["ms"], row["iqr_ms"] = _time_cpu_ms(fn, warmup, repeats)
+        row["ms"], row["iqr_ms"] = time_wall_ms(fn, warmup, repeats)
         row["util_percent"] = row["peak_mb"] = None
     if step is not None:
         row["streams_requested"] = step.requested_streams
