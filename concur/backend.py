@@ -35,7 +35,7 @@ import schedulers
 from . import _torch_compat as compat
 from .aten_dag import build_aten_dag
 from .cost import Roofline, roofline_for
-from .segments import SegmentedCall, SegmentPlan, partition, segment_module, verify
+from .segments import Segment, SegmentedCall, SegmentPlan, partition, segment_module, verify
 
 SEGMENT_COMPILERS = ("inductor", "eager")
 MIN_SEGMENT_LAUNCHES = 5
@@ -153,9 +153,13 @@ class ConcurBackend:
         if plan is None:
             self._record(gm, None, is_backward, reason)
             return compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        # example value of every node a segment may read: graph inputs as given, others as traced
+        examples = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        examples.update(zip(plan.placeholders, example_inputs))
+        static = {plan.placeholders[i] for i in kwargs.get("static_input_idxs", ())}
         try:
-            compiled = [self._inductor_segment(gm, example_inputs, plan, i, args, kwargs)
-                        for i in range(len(plan.segments))]
+            compiled = [self._inductor_segment(gm, segment, examples, static, args, kwargs)
+                        for segment in plan.segments]
         except Exception as exc:  # noqa: BLE001 - a segment inductor rejects: compile the graph whole
             self._record(gm, None, is_backward, f"inductor rejected a segment ({type(exc).__name__}: "
                                                f"{str(exc).splitlines()[0][:300]})")
@@ -163,17 +167,12 @@ class ConcurBackend:
         self._record(gm, plan, is_backward, None)
         return SegmentedCall(gm, plan, compiled)
 
-    def _inductor_segment(self, gm: fx.GraphModule, example_inputs: Sequence[Any], plan: SegmentPlan,
-                          index: int, args: tuple, kwargs: dict) -> Callable:
-        segment = plan.segments[index]
-        by_name = {n.name: n for n in gm.graph.nodes}
-        graph_inputs = dict(zip(plan.placeholders, example_inputs))
-        examples = [graph_inputs[u] if u in graph_inputs else by_name[u].meta["val"]
-                    for u in segment.inputs]
-        static = {plan.placeholders[i] for i in kwargs.get("static_input_idxs", ())}
+    def _inductor_segment(self, gm: fx.GraphModule, segment: Segment, examples: dict[str, Any],
+                          static: set[str], args: tuple, kwargs: dict) -> Callable:
         seg_kwargs = dict(kwargs, static_input_idxs=[i for i, u in enumerate(segment.inputs) if u in static])
         with compat.private_output_strides():
-            return compat.inductor_compile_graph(segment_module(gm, segment), examples, *args, **seg_kwargs)
+            return compat.inductor_compile_graph(segment_module(gm, segment), [examples[u] for u in segment.inputs],
+                                                 *args, **seg_kwargs)
 
     def _compile_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool) -> Any:
         plan, reason = self._plan_or_reason(gm, example_inputs)
