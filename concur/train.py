@@ -46,15 +46,19 @@ class _Captured:
 
 
 class _Snapshot:
-    """Copies of parameters, buffers, gradients, optimizer state and RNG state, restorable in place.
+    """Copies of parameters, buffers, gradients, optimizer, loss-scaler and RNG state, restorable in place.
 
     The RNG state matters for dropout: warm-up draws masks, and without the
     restore the first replay would draw different masks than the user's first
-    eager step, so the same seed would not give the same run.
+    eager step, so the same seed would not give the same run. The loss scale
+    matters for fp16: warm-up steps may back it off or grow it.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 grad_scaler: "torch.amp.GradScaler | None" = None):
         self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.scaler_state = [None if t is None else t.clone() for t in _scaler_tensors(grad_scaler)]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
@@ -79,6 +83,19 @@ class _Snapshot:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self.grad_scaler is not None:
+            scale, growth = _scaler_tensors(self.grad_scaler)
+            saved_scale, saved_growth = self.scaler_state
+            if scale is not None:  # created lazily by the first scale() call, i.e. during warm-up
+                scale.fill_(self.grad_scaler._init_scale) if saved_scale is None else scale.copy_(saved_scale)
+                growth.zero_() if saved_growth is None else growth.copy_(saved_growth)
+
+
+def _scaler_tensors(grad_scaler: "torch.amp.GradScaler | None") -> list:
+    """The loss scale and growth tracker: GradScaler's whole mutable state between steps."""
+    if grad_scaler is None:
+        return [None, None]
+    return [getattr(grad_scaler, "_scale", None), getattr(grad_scaler, "_growth_tracker", None)]
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -90,6 +107,25 @@ def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
                 step = optimizer.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor) and step.device != p.device:
                     optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
+def _enable_in_graph_loss_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Let ``GradScaler.step`` skip an overflowing step without a host sync; False if impossible.
+
+    A plain optimizer under GradScaler asks ``found_inf.item()`` on the host
+    before stepping, which a CUDA graph cannot capture. Fused optimizers
+    (SGD, Adam, AdamW with ``fused=True``) take ``found_inf`` and the scale as
+    tensors and skip on the device, and ``GradScaler.update`` is already
+    sync-free, so with them the whole fp16 step is capturable.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return True
+    if not all("fused" in group and "foreach" in group for group in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+    optimizer._step_supports_amp_scaling = True
+    return True
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -106,9 +142,11 @@ class TrainStep:
     def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                  example_batch: tuple, streams: int, cuda_graph: bool, scheduler: str,
                  max_graphs: int, warmup: int, compile: bool = False,
-                 amp_dtype: torch.dtype | None = None):
+                 amp_dtype: torch.dtype | None = None,
+                 grad_scaler: "torch.amp.GradScaler | None" = None):
         inputs, _ = example_batch
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.requested_streams = streams
         self.scheduler = scheduler
         self.compile = compile
@@ -123,6 +161,12 @@ class TrainStep:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
                           "in issue order (same results as the plain loop).", stacklevel=3)
         self.cuda_graph = cuda_graph and on_cuda
+        if self.cuda_graph and self.grad_scaler is not None and not _enable_in_graph_loss_scaling(optimizer):
+            warnings.warn(f"concur.train_step: {type(optimizer).__name__} under GradScaler checks for "
+                          "infinities on the host, which a CUDA graph cannot capture; running the "
+                          "concurrent plan eagerly. Use SGD, Adam or AdamW (made fused=True "
+                          "automatically) to keep the graph.", stacklevel=3)
+            self.cuda_graph = False
         if self.cuda_graph:
             _check_optimizer(optimizer)
             _make_capturable(optimizer)
@@ -164,9 +208,18 @@ class TrainStep:
         """One step without a graph: zero_grad, forward, loss, backward, optimizer.step."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._loss(self.module if module is None else module, inputs, targets)
-        loss.backward()
-        self.optimizer.step()
+        self._backward_and_step(loss)
         return loss.detach()
+
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        """``loss.backward(); optimizer.step()``, through the loss scaler when there is one."""
+        if self.grad_scaler is None:
+            loss.backward()
+            self.optimizer.step()
+            return
+        self.grad_scaler.scale(loss).backward()
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         inputs = _as_tuple(inputs)
@@ -208,7 +261,7 @@ class TrainStep:
 
     def _capture(self, inputs: tuple, targets: Any, streams: int) -> _Captured:
         module = self._module(streams)
-        snapshot = _Snapshot(self.model, self.optimizer)
+        snapshot = _Snapshot(self.model, self.optimizer, self.grad_scaler)
         clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
         static_inputs = tuple(clone(x) for x in inputs)
         static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
@@ -224,8 +277,7 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             with torch.cuda.graph(graph):
                 loss = self._loss(module, static_inputs, static_targets)
-                loss.backward()
-                self.optimizer.step()
+                self._backward_and_step(loss)
             # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
             # nodes alive, bound to this capture's stream, and a later capture would reuse them.
             loss = loss.detach()
@@ -237,7 +289,8 @@ class TrainStep:
 
 def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_batch: tuple,
                streams: int | str = 4, cuda_graph: bool = True, *, compile: bool = False,
-               amp_dtype: torch.dtype | None = None, scheduler: str = "critical_path",
+               amp_dtype: torch.dtype | None = None,
+               grad_scaler: "torch.amp.GradScaler | None" = None, scheduler: str = "critical_path",
                max_graphs: int = 4, warmup: int = 3) -> TrainStep:
     """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
 
@@ -261,7 +314,15 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
 
     ``amp_dtype=torch.bfloat16`` runs forward and loss under autocast (the
     same as ``with torch.autocast(...)`` around them in a plain loop).
+    For fp16 pass ``amp_dtype=torch.float16`` and a ``torch.amp.GradScaler``:
+    each step is then ``scaler.scale(loss).backward(); scaler.step(opt);
+    scaler.update()``, as in PyTorch's AMP recipe. Inside a CUDA graph the
+    skip of an overflowing step happens on the device: SGD, Adam and AdamW
+    are switched to their fused implementations, which support that; other
+    optimizers run eagerly with a warning.
     """
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
     if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
         raise TypeError("example_batch must be a pair (inputs, targets)")
     if streams == "auto":
@@ -270,7 +331,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
-                     max_graphs, warmup, compile, amp_dtype)
+                     max_graphs, warmup, compile, amp_dtype, grad_scaler)
 
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,

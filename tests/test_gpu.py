@@ -280,3 +280,46 @@ def test_train_step_bf16_autocast_matches_the_autocast_loop():
     allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-2
     print(f"bf16: deviation {deviation.max():.2e}, allowed {allowed.max():.2e}")
     assert (deviation <= allowed).all()
+
+
+def test_train_step_fp16_grad_scaler_in_the_graph_matches_the_amp_recipe():
+    """fp16 autocast + GradScaler inside the captured step, against PyTorch's AMP loop.
+
+    The huge initial scale makes the first steps overflow: the graph must skip
+    them on the device and back the scale off exactly as the plain loop does
+    (same final scale), then train within the loop's own fp16 envelope.
+    """
+    torch.manual_seed(0)
+    model = _googlenet_with_dropout(0.0).cuda().train().to(memory_format=torch.channels_last)
+    ref, twin = copy.deepcopy(model), _perturbed(model, rel=1e-3)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g).to(memory_format=torch.channels_last),
+                torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(20)]
+    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    make_scaler = lambda: torch.amp.GradScaler("cuda", init_scale=2.0 ** 40, growth_interval=4)  # noqa: E731
+
+    def amp_loop(m):
+        opt, scaler, losses = make_opt(m.parameters()), make_scaler(), []
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = _loss(m(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        return torch.tensor(losses), scaler.get_scale()
+
+    opt, scaler = make_opt(model.parameters()), make_scaler()
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4, amp_dtype=torch.float16,
+                             grad_scaler=scaler)
+    losses = torch.tensor(_train(model, opt, batches, step))
+    assert next(iter(step.graphs.values())).streams == 4, "the 4-stream graph must be used"
+    (expected, expected_scale), (envelope, _) = amp_loop(ref), amp_loop(twin)
+    assert expected_scale < 2.0 ** 30, "the test must make the first steps overflow"
+    assert scaler.get_scale() == expected_scale
+    deviation = (losses - expected).abs() / expected.abs()
+    allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-2
+    print(f"fp16+GradScaler: deviation {deviation.max():.2e}, allowed {allowed.max():.2e}, "
+          f"scale {scaler.get_scale():.0f}")
+    assert (deviation <= allowed).all()

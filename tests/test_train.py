@@ -93,3 +93,46 @@ def test_auto_streams_picks_a_count_from_the_predicted_curve():
     step = concur.train_step(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                              (torch.randn(2, 3, 8, 8), torch.randn(2, 10)), streams="auto", cuda_graph=False)
     assert 2 <= step.requested_streams <= 8
+
+
+def test_train_step_fp16_grad_scaler_matches_the_amp_recipe():
+    """fp16 autocast + GradScaler: same losses, parameters and loss scale as PyTorch's AMP loop.
+
+    The initial scale is huge so that the first steps overflow: those steps
+    must be skipped and the scale backed off exactly as the plain loop does.
+    """
+    torch.manual_seed(0)
+    model = WideNet(branches=4)
+    ref = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(6)]
+    make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=2)  # noqa: E731
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+
+    scaler = make_scaler()
+    step = concur.train_step(model, loss_fn, make_opt(model.parameters()), batches[0], streams=4,
+                             cuda_graph=False, amp_dtype=torch.float16, grad_scaler=scaler)
+    losses = [step(x, y).item() for x, y in batches]
+
+    ref_scaler, ref_opt, expected = make_scaler(), make_opt(ref.parameters()), []
+    for x, y in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(ref(x), y)
+        ref_scaler.scale(loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        expected.append(loss.item())
+    assert ref_scaler.get_scale() < 2.0 ** 40, "the test must make some steps overflow"
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert losses == pytest.approx(expected, rel=1e-3)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_train_step_rejects_a_grad_scaler_of_the_wrong_type():
+    model = WideNet(branches=2)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    with pytest.raises(TypeError, match="GradScaler"):
+        concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                          batch, cuda_graph=False, grad_scaler=object())
