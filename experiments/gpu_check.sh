@@ -1,19 +1,45 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then a benchmark; everything lands under $OUT.
-#   bash experiments/gpu_check.sh [tests|quick|tuner]
+# Device-machine checks in one call; every log and result lands under $OUT.
+#   bash experiments/gpu_check.sh STEP [STEP ...]
+# Steps:
+#   tests          GPU tests of the runtime and tuner (tests/test_gpu.py, tests/test_gpu_tuner.py)
+#   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
+#   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3)
+#   zoo-giants     the two largest torchvision models on the CPU (they need >23 GB of RAM), in the background
+#   quick          bench_train.py on GoogLeNet and Inception-v3, batch 8 and 64
+#   tuner          issue 4's tuner-vs-sweep report
+#   sweep:ARGS     python -m experiments.sweep ARGS (commas for spaces), resumed in
+#                  experiments/results/$SWEEP_DIR and copied to $OUT/sweep.tgz
+# DEADLINE (default 585 s) bounds a sweep step so its results are packed before the call's limit.
+# Inductor's cache lives in the ignored .cache/ so a later call on the same warm machine reuses it.
 set -uo pipefail
 OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+export TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
+SWEEP_DIR=${SWEEP_DIR:-2026-11-22-h100-torch2.11/sweep}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee -a "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-if [ "${1:-}" = "tuner" ]; then  # issue 4: sweep vs tuner, NVML phases, traces, HTML report
-  timeout 570 python3 experiments/gpu_tuner_report.py --out "$OUT" 2>&1 | tee "$OUT/gpu_tuner_report.log" | tail -40
-  exit 0
-fi
-timeout 540 python3 -m pytest -m cuda -q -s --no-header -p no:cacheprovider tests/test_gpu.py tests/test_gpu_tuner.py \
-  2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^W1\|Warning" | tail -30
-if [ "${1:-}" != "tests" ]; then
-  args="--repeats 20 --streams 2 4 8"
-  [ "${1:-}" = "quick" ] && args="--models googlenet inception_v3 --batches 8 64 --repeats 20"
-  python3 experiments/bench_train.py $args --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -30
-fi
+pytest_cuda() { python3 -m pytest -m cuda -q -s --no-header -p no:cacheprovider "$@"; }
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  case "$step" in
+    tests) pytest_cuda tests/test_gpu.py tests/test_gpu_tuner.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^W1\|Warning" | tail -15 ;;
+    fused:*) pytest_cuda tests/test_gpu_backend.py -k "envelope and ${step#fused:}" 2>&1 \
+               | tee "$OUT/gpu_fused_${step#fused:}.log" | grep -v "^W1\|Warning" | tail -8 ;;
+    csan:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#csan:}" 2>&1 \
+               | tee "$OUT/gpu_csan_${step#csan:}.log" | tail -5 ;;
+    zoo-giants) CUDA_VISIBLE_DEVICES= timeout 560 python3 -m pytest -q -p no:cacheprovider -m zoo_full \
+                  tests/test_zoo.py -k "vit_h_14 or regnet_y_128gf" --durations=0 > "$OUT/zoo_giants.log" 2>&1 & ;;
+    quick) python3 experiments/bench_train.py --models googlenet inception_v3 --batches 8 64 --repeats 20 \
+             --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -20 ;;
+    tuner) timeout 570 python3 experiments/gpu_tuner_report.py --out "$OUT" 2>&1 | tee "$OUT/gpu_tuner_report.log" | tail -40 ;;
+    sweep:*) dir=experiments/results/$SWEEP_DIR; sweep_args=${step#sweep:}
+             left=$(( ${DEADLINE:-585} - SECONDS - 15 ))  # stop in time to pack what finished
+             timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume ${sweep_args//,/ } 2>&1 \
+               | tee -a "$OUT/sweep.log" | grep -v "^W1\|Warning" | tail -6
+             tar czf "$OUT/sweep.tgz" "$dir" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+wait
+echo "=== done ($(date +%T))"

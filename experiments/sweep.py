@@ -19,9 +19,12 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
 
-Every configuration runs in its own ``python -m experiments.sweep --one '<json>'``,
-so a crash, an OOM or a hang (``--timeout-per-config``) is recorded and the sweep
-goes on; a mode that raises is a result too. Results are appended to
+Every compiling configuration runs in its own ``python -m experiments.sweep --one '<json>'``;
+the other modes of one model, batch and precision share one child
+(``--group``), which saves an interpreter start, a CUDA context and a model
+build per mode. A crash, an OOM or a hang (``--timeout-per-config``) is
+recorded against the configuration it hit, the rest of its group runs again
+one per child, and the sweep goes on; a mode that raises is a result too. Results are appended to
 ``results.jsonl`` as they come; ``--resume`` skips configurations already there.
 At the end ``results.json``, ``results.csv``, ``summary.md`` and PNG plots are
 written; each names the date, GPU, driver and torch version.
@@ -48,6 +51,7 @@ ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "conc
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
 CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", "fused", "critical_path")
 CONCUR_MODES = ("eager_streams", "concur_graph", "fused")  # the rest are the alternatives a user has
+COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", "fused")  # one child each: dynamo state
 DEFAULT_BATCHES = [8, 32, 64, 128]
 SMOKE = dict(models=["branchy:2x8", "nascell:8"], batches=[2], precisions=["fp32"],
              modes=["eager", "eager_streams:2", "serial_graph", "critical_path"], image_size=32, repeats=3)
@@ -281,9 +285,7 @@ def run_one(cfg: dict) -> dict:
     return row
 
 
-def child_main(config_json: str) -> int:
-    """Entry of ``--one``: print exactly one JSON row on stdout's last line."""
-    cfg = json.loads(config_json)
+def _row_or_error(cfg: dict) -> dict:
     started = time.time()
     try:
         row = run_one(cfg)
@@ -292,7 +294,26 @@ def child_main(config_json: str) -> int:
                    traceback=traceback.format_exc()[-2000:])
         row.pop("fail", None)
     row.update(run_meta())
-    print(json.dumps(row, default=str), flush=True)
+    return row
+
+
+def child_main(config_json: str) -> int:
+    """Entry of ``--one``: print exactly one JSON row on stdout's last line."""
+    print(json.dumps(_row_or_error(json.loads(config_json)), default=str), flush=True)
+    return 0
+
+
+def child_group_main(configs_json: str) -> int:
+    """Entry of ``--group``: one JSON row per configuration, printed as each finishes."""
+    import gc
+
+    import torch
+
+    for cfg in json.loads(configs_json):
+        print(json.dumps(_row_or_error(cfg), default=str), flush=True)
+        gc.collect()  # the previous mode's graphs and memory pools must not count in the next peak
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return 0
 
 
@@ -315,6 +336,57 @@ def run_in_subprocess(cfg: dict, timeout_s: float, meta: dict) -> dict:
     tail = (proc.stderr or "")[-1500:]
     return dict(base, status="error", error=f"subprocess exited with {proc.returncode} (crash or OOM kill?)",
                 stderr_tail=tail)
+
+
+def run_group_in_subprocess(cfgs: list[dict], timeout_s: float, meta: dict) -> list[dict]:
+    """Run configurations in one fresh interpreter; what a crash or hang left undone runs one per child."""
+    if len(cfgs) == 1:
+        return [run_in_subprocess(cfgs[0], timeout_s, meta)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    error = None
+    try:
+        proc = subprocess.run([sys.executable, "-m", "experiments.sweep", "--group", json.dumps(cfgs)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=timeout_s * len(cfgs))
+        stdout = proc.stdout
+        if proc.returncode != 0:
+            error = (f"subprocess exited with {proc.returncode} (crash or OOM kill?)", (proc.stderr or "")[-1500:])
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        stdout = out.decode(errors="replace") if isinstance(out, bytes) else out
+        error = (f"timeout: the group ran past {timeout_s * len(cfgs):.0f} s", "")
+    rows = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[row["key"]] = row
+    result = []
+    for i, cfg in enumerate(cfgs):
+        key = config_key(cfg)
+        if key in rows:
+            result.append(rows[key])
+            continue
+        # the child died on this configuration: record it, run the rest one per child
+        base = dict(cfg, key=key, started=time.time(), **meta)
+        base.pop("fail", None)
+        message, tail = error or ("the child printed no row for it", "")
+        result.append(dict(base, status="error", error=message, stderr_tail=tail))
+        result.extend(run_in_subprocess(c, timeout_s, meta) for c in cfgs[i + 1:])
+        break
+    return result
+
+
+def group_configs(configs: list[dict]) -> list[list[dict]]:
+    """Consecutive non-compiling modes of one model, batch and precision form one group."""
+    groups: list[list[dict]] = []
+    for cfg in configs:
+        same = groups and groups[-1][0]["mode"].split(":")[0] not in COMPILING_MODES and \
+            cfg["mode"].split(":")[0] not in COMPILING_MODES and \
+            all(groups[-1][0][k] == cfg[k] for k in ("model", "batch", "precision"))
+        if same:
+            groups[-1].append(cfg)
+        else:
+            groups.append([cfg])
+    return groups
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -385,11 +457,11 @@ def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tup
           file=sys.stderr, flush=True)
     meta = run_meta()
     progress = Progress(len(todo))
-    for cfg in todo:
-        row = run_in_subprocess(cfg, timeout_s, meta)
-        with open(jsonl, "a") as f:  # appended at once: an interrupted sweep keeps every finished row
-            f.write(json.dumps(row, default=str) + "\n")
-        progress.update(row["key"], row["status"] if row["status"] != "error" else "ERROR " + row["error"])
+    for group in group_configs(todo):
+        for row in run_group_in_subprocess(group, timeout_s, meta):
+            with open(jsonl, "a") as f:  # appended at once: an interrupted sweep keeps every finished row
+                f.write(json.dumps(row, default=str) + "\n")
+            progress.update(row["key"], row["status"] if row["status"] != "error" else "ERROR " + row["error"])
     return read_rows(jsonl), len(todo)
 
 
@@ -531,6 +603,7 @@ def default_out(meta: dict) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", metavar="JSON", help="internal: run one configuration, print its row")
+    parser.add_argument("--group", metavar="JSON", help="internal: run a list of configurations, a row each")
     parser.add_argument("--models", nargs="+", help="default: torchvision three, branchy:8x64, branchy:4x128, nascell")
     parser.add_argument("--batches", nargs="+", type=int, help=f"default {DEFAULT_BATCHES}")
     parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"],
@@ -550,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.one:
         return child_main(args.one)
+    if args.group:
+        return child_group_main(args.group)
     from experiments.sweep_models import DEFAULT_MODELS
 
     smoke = SMOKE if args.cpu_smoke else {}

@@ -128,3 +128,21 @@ def test_best_speedup_compares_concur_modes_with_alternatives():
             for mode, ms in [("eager", 10.0), ("compile_graph", 4.0), ("concur_graph:4", 3.0), ("fused:4", 2.0)]]
     [best] = sweep.best_speedups(rows)
     assert (best["concur_mode"], best["best_alternative"], best["speedup"]) == ("fused:4", "compile_graph", 2.0)
+
+
+def test_modes_that_compile_get_a_child_each_and_the_rest_share_one():
+    cfgs = [dict(model=m, batch=8, precision="fp32", mode=mode)
+            for m in ("a", "b") for mode in ("eager", "serial_graph", "compile", "fused:4", "critical_path")]
+    groups = [[c["model"] + "|" + c["mode"] for c in g] for g in sweep.group_configs(cfgs)]
+    assert groups == [["a|eager", "a|serial_graph"], ["a|compile"], ["a|fused:4"], ["a|critical_path"],
+                      ["b|eager", "b|serial_graph"], ["b|compile"], ["b|fused:4"], ["b|critical_path"]]
+
+
+def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
+    args = ["--cpu-smoke", "--models", "branchy:2x8", "--modes", "eager", "eager_streams:2", "serial_graph",
+            "--repeats", "2", "--out", str(tmp_path), "--inject-failure", "branchy:2x8|2|fp32|eager_streams:2=crash"]
+    assert sweep.main(args) == 0
+    rows = {r["key"]: r for r in sweep.read_rows(tmp_path / "results.jsonl")}
+    assert rows["branchy:2x8|2|fp32|eager"]["status"] == "ok"
+    assert "subprocess exited" in rows["branchy:2x8|2|fp32|eager_streams:2"]["error"]
+    assert rows["branchy:2x8|2|fp32|serial_graph"]["status"] == "skipped: no CUDA"  # ran after the crash
