@@ -63,6 +63,18 @@ def config_key(cfg: dict) -> str:
     return f"{cfg['model']}|{cfg['batch']}|{cfg['precision']}|{cfg['mode']}"
 
 
+META_FIELDS = ("date", "gpu", "driver", "torch", "cuda", "concur")
+
+
+def meta_of_rows(rows: list[dict], fallback: dict) -> dict:
+    """The run's date, GPU, driver and versions as its rows recorded them (a resumed run may mix them)."""
+    meta = {}
+    for k in META_FIELDS:
+        values = sorted({str(r[k]) for r in rows if r.get(k) is not None})
+        meta[k] = " + ".join(values) if values else fallback.get(k)
+    return meta
+
+
 def run_meta() -> dict:
     """Return date, GPU, driver, torch and CUDA versions: the fields every result file carries."""
     import torch
@@ -184,6 +196,10 @@ def profile_plan_nodes(plan: Any, inputs: tuple, path: Path, amp_dtype: Any, run
 # --------------------------------------------------------------------------- one configuration (child)
 
 
+def _file_stem(key: str) -> str:
+    return key.replace("|", "_").replace(":", "-")
+
+
 def _streams_arg(mode: str) -> int | str:
     k = mode.split(":", 1)[1] if ":" in mode else "1"
     return "auto" if k == "auto" else int(k)
@@ -224,7 +240,7 @@ def run_one(cfg: dict) -> dict:
 
     if kind == "critical_path":
         module = concur.optimize(model, (x,), streams=4)
-        trace = Path(cfg["out"]) / "traces" / (row["key"].replace("|", "_").replace(":", "-") + ".json")
+        trace = Path(cfg["out"]) / "traces" / (_file_stem(row["key"]) + ".json")
         bound = critical_path_bound(profile_plan_nodes(module.plan, (x,), trace, amp_dtype), module.plan)
         return dict(row, fwd_serial_us=bound.serial_us, fwd_critical_path_us=bound.critical_path_us,
                     bound_speedup=bound.bound_speedup, nodes_measured=bound.nodes_measured,
@@ -235,6 +251,9 @@ def run_one(cfg: dict) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+        # NVML over setup (compile or capture) and the timed steps; the timeline is kept for the plots
+        monitor = Monitor(nvml_index()).start()
+        monitor.mark("setup")
     t0 = time.perf_counter()
 
     def plain_loop(module: nn.Module, mark_step: bool = False) -> Callable[[], None]:
@@ -268,9 +287,14 @@ def run_one(cfg: dict) -> dict:
     row["setup_s"] = time.perf_counter() - t0
     warmup, repeats = cfg.get("warmup", 5), cfg.get("repeats", 30)
     if cuda:
-        with Monitor(nvml_index()) as mon:
-            row["ms"], row["iqr_ms"] = time_cuda_ms(fn, warmup=warmup, repeats=repeats)
-        row["util_percent"] = mon.record.mean_utilization()
+        monitor.mark("timed steps")
+        timed_from = time.monotonic()
+        row["ms"], row["iqr_ms"] = time_cuda_ms(fn, warmup=warmup, repeats=repeats)
+        record = monitor.stop()
+        timed_s = record.phases()[-1][1] if record.marks else 0.0
+        row["util_percent"] = record.mean_utilization(start_s=timed_s)
+        row["timed_s"] = time.monotonic() - timed_from
+        row["util_timeline"] = str(record.save(Path(cfg["out"]) / "util" / (_file_stem(row["key"]) + ".json")))
         row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
     else:
         row["ms"], row["iqr_ms"] = time_wall_ms(fn, warmup, repeats)
@@ -523,6 +547,8 @@ def write_reports(rows: list[dict], meta: dict, out: Path) -> list[Path]:
     written.append(path)
 
     written += plot_speedups(rows, meta, out)
+    written += plot_bounds(rows, meta, out)
+    written += plot_utilization_timelines(rows, meta, out)
     path = out / "summary.md"
     path.write_text(summary_markdown(rows, meta, [p.name for p in written if p.suffix == ".png"]))
     written.append(path)
@@ -595,6 +621,75 @@ def plot_speedups(rows: list[dict], meta: dict, out: Path) -> list[Path]:
     return paths
 
 
+def plot_bounds(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """Achieved speedup (serial graph / best concur graph) beside the critical-path bound, per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounds = [b for b in bound_rows(rows) if b["achieved_speedup"]]
+    if not bounds:
+        return []
+    fig, ax = plt.subplots(figsize=(max(7, 0.32 * len(bounds)), 4.5))
+    labels = [f"{b['model']} {b['precision']} b{b['batch']}" for b in bounds]
+    xs = range(len(bounds))
+    ax.bar([x - 0.2 for x in xs], [b["bound_speedup"] for b in bounds], 0.4, label="bound (forward critical path)")
+    ax.bar([x + 0.2 for x in xs], [b["achieved_speedup"] for b in bounds], 0.4, label="achieved (whole step)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs), labels, rotation=75, fontsize=7)
+    ax.set_ylabel("speedup over the serial CUDA graph")
+    ax.set_title(f"time vs bound: {_meta_line(meta)}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "bound.png"
+    fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
+    plt.close(fig)
+    return [path]
+
+
+def plot_utilization_timelines(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """NVML utilization over setup and timed steps, one line per mode, per model and precision at one batch.
+
+    The smallest batch is drawn: that is where a step is launch-bound and the
+    modes differ most in how busy they keep the GPU.
+    """
+    from concur.monitor import MonitorRecord
+    from concur.report import plot_utilization
+
+    paths = []
+    saved = [r for r in rows if r.get("util_timeline") and Path(r["util_timeline"]).exists()]
+    for model, precision in sorted({(r["model"], r["precision"]) for r in saved}):
+        mine = [r for r in saved if (r["model"], r["precision"]) == (model, precision)]
+        batch = min(r["batch"] for r in mine)
+        merged, offset = None, 0.0
+        for r in sorted((r for r in mine if r["batch"] == batch), key=lambda r: r["mode"]):
+            rec = MonitorRecord.load(r["util_timeline"])
+            timed = rec.phases()[-1][1] if rec.marks else 0.0
+            shift = offset - timed  # each mode's timed steps, one after another
+            part = MonitorRecord.from_dict(dict(
+                rec.to_dict(),
+                samples=[dict(vars(x), t_s=x.t_s + shift) for x in rec.samples if x.t_s >= timed],
+                utilization=[dict(vars(u), t_s=u.t_s + shift) for u in rec.utilization if u.t_s >= timed - 0.2],
+                marks=[]))
+            if merged is None:
+                merged = MonitorRecord.from_dict(dict(part.to_dict(), marks=[]))
+                merged.samples, merged.utilization = [], []
+            merged.samples += part.samples
+            merged.utilization += part.utilization
+            merged.marks.append(type(rec.marks[0])(offset, r["mode"]) if rec.marks else None)
+            offset += max(rec.duration_s - timed, 0.25)
+        if merged is None or not merged.samples:
+            continue
+        merged.marks = [m for m in merged.marks if m is not None]
+        merged.duration_s = offset
+        path = plot_utilization(merged, f"{model} {precision} b{batch}",
+                                out / f"util_{_file_stem(model)}_{precision}_b{batch}.png")
+        if path:
+            paths.append(path)
+    return paths
+
+
 def default_out(meta: dict) -> Path:
     gpu = "".join(c if c.isalnum() else "-" for c in meta["gpu"].lower()).strip("-")
     return REPO / "experiments" / "results" / f"{meta['date']}-{gpu}"
@@ -615,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, help="override every model's input size")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only rewrite the reports of the run in --out (e.g. after an interrupted sweep)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help=f"tiny defaults that finish on CPU: {SMOKE['models']}, batch {SMOKE['batches']}, "
                              f"{SMOKE['image_size']}px, modes {SMOKE['modes']}")
@@ -637,8 +734,13 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.warmup = min(args.repeats, SMOKE["repeats"]), min(args.warmup, 1)
     meta = run_meta()
     args.out = args.out or default_out(meta)
-    rows, launched = sweep(make_configs(args), args.out, args.resume, args.timeout_per_config)
-    for path in write_reports(rows, meta, args.out):
+    if args.report_only:
+        rows, launched = read_rows(args.out / "results.jsonl"), 0
+        if not rows:
+            raise SystemExit(f"no rows in {args.out / 'results.jsonl'}")
+    else:
+        rows, launched = sweep(make_configs(args), args.out, args.resume, args.timeout_per_config)
+    for path in write_reports(rows, meta_of_rows(rows, meta), args.out):
         print(path, file=sys.stderr)
     print(f"launched {launched} configuration(s); {len(rows)} rows in {args.out / 'results.jsonl'}", file=sys.stderr)
     return 0

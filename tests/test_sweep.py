@@ -146,3 +146,22 @@ def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
     assert rows["branchy:2x8|2|fp32|eager"]["status"] == "ok"
     assert "subprocess exited" in rows["branchy:2x8|2|fp32|eager_streams:2"]["error"]
     assert rows["branchy:2x8|2|fp32|serial_graph"]["status"] == "skipped: no CUDA"  # ran after the crash
+
+
+def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path):
+    from concur.monitor import Mark, MonitorRecord, Sample, UtilizationSample
+
+    rows = []
+    for mode, busy in (("serial_graph", 60.0), ("concur_graph:4", 90.0)):
+        rec = MonitorRecord(available=True, device="fake", duration_s=2.0,
+                            samples=[Sample(t / 10, 1000.0, 1980.0, 300.0) for t in range(20)],
+                            utilization=[UtilizationSample(t / 5, busy if t >= 5 else 0.0) for t in range(10)],
+                            marks=[Mark(0.0, "setup"), Mark(1.0, "timed steps")])
+        rows.append(dict(model="m", precision="fp32", batch=8, mode=mode, status="ok", ms=2.0 if busy > 80 else 3.0,
+                         util_timeline=str(rec.save(tmp_path / f"{busy}.json"))))
+    rows.append(dict(model="m", precision="fp32", batch=8, mode="critical_path", status="ok", fwd_serial_us=100.0,
+                     fwd_critical_path_us=50.0, bound_speedup=2.0))
+    meta = dict(date="d", gpu="g", driver="v", torch="t")
+    paths = sweep.plot_utilization_timelines(rows, meta, tmp_path) + sweep.plot_bounds(rows, meta, tmp_path)
+    assert sorted(p.name for p in paths) == ["bound.png", "util_m_fp32_b8.png"]
+    assert sweep.bound_rows(rows)[0]["achieved_speedup"] == pytest.approx(1.5)
