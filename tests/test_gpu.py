@@ -285,9 +285,11 @@ def test_train_step_bf16_autocast_matches_the_autocast_loop():
 def test_train_step_fp16_grad_scaler_in_the_graph_matches_the_amp_recipe():
     """fp16 autocast + GradScaler inside the captured step, against PyTorch's AMP loop.
 
-    The huge initial scale makes the first steps overflow: the graph must skip
-    them on the device and back the scale off exactly as the plain loop does
-    (same final scale), then train within the loop's own fp16 envelope.
+    The scale grows every 4 good steps until a step overflows: the graph must
+    skip those steps on the device and back the scale off exactly as the plain
+    loop does (same final scale), and train within the loop's own fp16
+    envelope in between. (An earlier version started at 2**40, where all 20
+    steps overflowed and nothing trained: it could not fail on training.)
     """
     torch.manual_seed(0)
     model = _googlenet_with_dropout(0.0).cuda().train().to(memory_format=torch.channels_last)
@@ -296,18 +298,22 @@ def test_train_step_fp16_grad_scaler_in_the_graph_matches_the_amp_recipe():
     batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g).to(memory_format=torch.channels_last),
                 torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(20)]
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
-    make_scaler = lambda: torch.amp.GradScaler("cuda", init_scale=2.0 ** 40, growth_interval=4)  # noqa: E731
+    make_scaler = lambda: torch.amp.GradScaler("cuda", init_scale=2.0 ** 16, growth_interval=4)  # noqa: E731
+    initial = [p.detach().clone() for p in model.parameters()]
 
     def amp_loop(m):
-        opt, scaler, losses = make_opt(m.parameters()), make_scaler(), []
+        opt, scaler, losses, skipped = make_opt(m.parameters()), make_scaler(), [], 0
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = _loss(m(x), y)
+            before = scaler.get_scale()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+            skipped += scaler.get_scale() < before
             losses.append(loss.item())
+        assert 0 < skipped < len(batches), f"the test needs skipped and taken steps, got {skipped} skipped"
         return torch.tensor(losses), scaler.get_scale()
 
     opt, scaler = make_opt(model.parameters()), make_scaler()
@@ -316,8 +322,8 @@ def test_train_step_fp16_grad_scaler_in_the_graph_matches_the_amp_recipe():
     losses = torch.tensor(_train(model, opt, batches, step))
     assert next(iter(step.graphs.values())).streams == 4, "the 4-stream graph must be used"
     (expected, expected_scale), (envelope, _) = amp_loop(ref), amp_loop(twin)
-    assert expected_scale < 2.0 ** 30, "the test must make the first steps overflow"
     assert scaler.get_scale() == expected_scale
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial)), "no step trained"
     deviation = (losses - expected).abs() / expected.abs()
     allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-2
     print(f"fp16+GradScaler: deviation {deviation.max():.2e}, allowed {allowed.max():.2e}, "

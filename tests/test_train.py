@@ -98,15 +98,18 @@ def test_auto_streams_picks_a_count_from_the_predicted_curve():
 def test_train_step_fp16_grad_scaler_matches_the_amp_recipe():
     """fp16 autocast + GradScaler: same losses, parameters and loss scale as PyTorch's AMP loop.
 
-    The initial scale is huge so that the first steps overflow: those steps
-    must be skipped and the scale backed off exactly as the plain loop does.
+    The initial scale is large enough that the first steps overflow: those
+    steps must be skipped and the scale backed off exactly as the plain loop
+    does; the later steps train (checked: a scale so large that every step
+    overflows would make any two runs equal).
     """
     torch.manual_seed(0)
     model = WideNet(branches=4)
     ref = copy.deepcopy(model)
     loss_fn = nn.CrossEntropyLoss()
     batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(6)]
-    make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=2)  # noqa: E731
+    make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, growth_interval=2)  # noqa: E731
+    initial = [p.detach().clone() for p in model.parameters()]
     make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
 
     scaler = make_scaler()
@@ -114,16 +117,19 @@ def test_train_step_fp16_grad_scaler_matches_the_amp_recipe():
                              cuda_graph=False, amp_dtype=torch.float16, grad_scaler=scaler)
     losses = [step(x, y).item() for x, y in batches]
 
-    ref_scaler, ref_opt, expected = make_scaler(), make_opt(ref.parameters()), []
+    ref_scaler, ref_opt, expected, skipped = make_scaler(), make_opt(ref.parameters()), [], 0
     for x, y in batches:
         ref_opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = loss_fn(ref(x), y)
+        before = ref_scaler.get_scale()
         ref_scaler.scale(loss).backward()
         ref_scaler.step(ref_opt)
         ref_scaler.update()
+        skipped += ref_scaler.get_scale() < before
         expected.append(loss.item())
-    assert ref_scaler.get_scale() < 2.0 ** 40, "the test must make some steps overflow"
+    assert 0 < skipped < len(batches), "the test needs both skipped and taken steps"
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial)), "no step trained"
     assert scaler.get_scale() == ref_scaler.get_scale()
     assert losses == pytest.approx(expected, rel=1e-3)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
