@@ -6,6 +6,7 @@
 #   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
 #   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3)
 #   zoo-giants     the two largest torchvision models on the CPU (they need >23 GB of RAM), in the background
+#   bench          bench_train.py: the README's runtime table (3 models, all batches, 2/4/8 streams)
 #   quick          bench_train.py on GoogLeNet and Inception-v3, batch 8 and 64
 #   tuner          issue 4's tuner-vs-sweep report
 #   sweep:ARGS     python -m experiments.sweep ARGS (commas for spaces), resumed in
@@ -13,6 +14,7 @@
 # DEADLINE (default 585 s) bounds a sweep step so its results are packed before the call's limit.
 # Inductor's cache lives in the ignored .cache/ so a later call on the same warm machine reuses it.
 set -uo pipefail
+[ $# -gt 0 ] || { sed -n '2,/^set/p' "$0" | grep '^#'; exit 2; }
 OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
@@ -30,6 +32,8 @@ for step in "$@"; do
                | tee "$OUT/gpu_csan_${step#csan:}.log" | tail -5 ;;
     zoo-giants) CUDA_VISIBLE_DEVICES= timeout 560 python3 -m pytest -q -p no:cacheprovider -m zoo_full \
                   tests/test_zoo.py -k "vit_h_14 or regnet_y_128gf" --durations=0 > "$OUT/zoo_giants.log" 2>&1 & ;;
+    bench) python3 experiments/bench_train.py --repeats 20 --streams 2 4 8 --out "$OUT/bench_train.json" 2>&1 \
+             | tee "$OUT/bench_train.log" | tail -30 ;;
     quick) python3 experiments/bench_train.py --models googlenet inception_v3 --batches 8 64 --repeats 20 \
              --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -20 ;;
     tuner) timeout 570 python3 experiments/gpu_tuner_report.py --out "$OUT" 2>&1 | tee "$OUT/gpu_tuner_report.log" | tail -40 ;;
