@@ -16,6 +16,7 @@ import torchvision  # noqa: E402
 
 import concur  # noqa: E402
 from concur.runtime import StreamRuntime  # noqa: E402
+from tests.amp_loop import amp_recipe_loop  # noqa: E402
 from tests.conftest import compare_with_original, requires_cuda  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -251,25 +252,23 @@ def test_train_step_dropout_same_seed_gives_the_same_run():
     assert deviation[0] < 1e-5 and (deviation <= allowed).all()
 
 
-def test_train_step_bf16_autocast_matches_the_autocast_loop():
+def _mixed_precision_setup():
+    """Channels-last GoogLeNet, its copy, a twin perturbed by 1e-3 (the envelope) and 20 batches."""
     torch.manual_seed(0)
     model = _googlenet_with_dropout(0.0).cuda().train().to(memory_format=torch.channels_last)
     ref, twin = copy.deepcopy(model), _perturbed(model, rel=1e-3)
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g).to(memory_format=torch.channels_last),
                 torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(20)]
+    return model, ref, twin, batches
+
+
+def test_train_step_bf16_autocast_matches_the_autocast_loop():
+    model, ref, twin, batches = _mixed_precision_setup()
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
 
     def autocast_loop(m):
-        opt, losses = make_opt(m.parameters()), []
-        for x, y in batches:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = _loss(m(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return torch.tensor(losses)
+        return torch.tensor(amp_recipe_loop(m, _loss, make_opt(m.parameters()), batches, torch.bfloat16)[0])
 
     opt = make_opt(model.parameters())
     step = concur.train_step(model, _loss, opt, batches[0], streams=4, amp_dtype=torch.bfloat16)
@@ -291,28 +290,14 @@ def test_train_step_fp16_grad_scaler_in_the_graph_matches_the_amp_recipe():
     envelope in between. (An earlier version started at 2**40, where all 20
     steps overflowed and nothing trained: it could not fail on training.)
     """
-    torch.manual_seed(0)
-    model = _googlenet_with_dropout(0.0).cuda().train().to(memory_format=torch.channels_last)
-    ref, twin = copy.deepcopy(model), _perturbed(model, rel=1e-3)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g).to(memory_format=torch.channels_last),
-                torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(20)]
+    model, ref, twin, batches = _mixed_precision_setup()
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
     make_scaler = lambda: torch.amp.GradScaler("cuda", init_scale=2.0 ** 16, growth_interval=4)  # noqa: E731
     initial = [p.detach().clone() for p in model.parameters()]
 
     def amp_loop(m):
-        opt, scaler, losses, skipped = make_opt(m.parameters()), make_scaler(), [], 0
-        for x, y in batches:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = _loss(m(x), y)
-            before = scaler.get_scale()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            skipped += scaler.get_scale() < before
-            losses.append(loss.item())
+        scaler = make_scaler()
+        losses, skipped = amp_recipe_loop(m, _loss, make_opt(m.parameters()), batches, torch.float16, scaler)
         assert 0 < skipped < len(batches), f"the test needs skipped and taken steps, got {skipped} skipped"
         return torch.tensor(losses), scaler.get_scale()
 

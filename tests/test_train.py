@@ -10,6 +10,7 @@ import torch.nn as nn
 import torchvision
 
 import concur
+from tests.amp_loop import amp_recipe_loop
 from tests.models import DropoutBranches, WideNet
 
 
@@ -117,17 +118,8 @@ def test_train_step_fp16_grad_scaler_matches_the_amp_recipe():
                              cuda_graph=False, amp_dtype=torch.float16, grad_scaler=scaler)
     losses = [step(x, y).item() for x, y in batches]
 
-    ref_scaler, ref_opt, expected, skipped = make_scaler(), make_opt(ref.parameters()), [], 0
-    for x, y in batches:
-        ref_opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(ref(x), y)
-        before = ref_scaler.get_scale()
-        ref_scaler.scale(loss).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        skipped += ref_scaler.get_scale() < before
-        expected.append(loss.item())
+    ref_scaler = make_scaler()
+    expected, skipped = amp_recipe_loop(ref, loss_fn, make_opt(ref.parameters()), batches, torch.float16, ref_scaler)
     assert 0 < skipped < len(batches), "the test needs both skipped and taken steps"
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial)), "no step trained"
     assert scaler.get_scale() == ref_scaler.get_scale()
