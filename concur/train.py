@@ -327,7 +327,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
         raise TypeError("example_batch must be a pair (inputs, targets)")
     if streams == "auto":
         streams, scheduler, cuda_graph = _auto_configuration(
-            model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile)
+            model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype)
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
@@ -335,14 +335,20 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
 
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                        example_batch: tuple, scheduler: str, cuda_graph: bool, compile: bool
-                        ) -> tuple[int, str, bool]:
-    """Return (streams, scheduler, cuda_graph) for ``streams="auto"``: measured where affordable."""
+                        example_batch: tuple, scheduler: str, cuda_graph: bool, compile: bool,
+                        amp_dtype: torch.dtype | None = None) -> tuple[int, str, bool]:
+    """Return (streams, scheduler, cuda_graph) for ``streams="auto"``: measured where affordable.
+
+    The trials run in the step's precision (bf16 kernels are shorter and leave
+    more room for streams); a GradScaler is left out of them: it changes no
+    kernel that matters for timing, and trials must not move the user's scale.
+    """
     on_cuda = any(t.is_cuda for t in tensors_in(example_batch[0])) and torch.cuda.is_available()
     if on_cuda and not compile:
         from .tuner import tune_train_step
 
-        chosen = tune_train_step(model, loss_fn, optimizer, example_batch).config
+        kwargs = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
+        chosen = tune_train_step(model, loss_fn, optimizer, example_batch, **kwargs).config
         return chosen.streams, chosen.scheduler, cuda_graph and chosen.cuda_graph
     return _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler), scheduler, cuda_graph
 

@@ -134,3 +134,26 @@ def test_train_step_rejects_a_grad_scaler_of_the_wrong_type():
     with pytest.raises(TypeError, match="GradScaler"):
         concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                           batch, cuda_graph=False, grad_scaler=object())
+
+
+def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
+    """streams="auto" on a GPU measures trials under the step's autocast dtype (wiring, faked CUDA)."""
+    import types
+
+    import concur.train as train_mod
+    import concur.tuner as tuner_mod
+
+    seen = {}
+
+    def fake_tune(model, loss_fn, opt, batch, **kwargs):
+        seen.update(kwargs)
+        return types.SimpleNamespace(config=types.SimpleNamespace(streams=3, scheduler="fork", cuda_graph=False))
+
+    monkeypatch.setattr(tuner_mod, "tune_train_step", fake_tune)
+    monkeypatch.setattr(train_mod, "tensors_in", lambda x: [types.SimpleNamespace(is_cuda=True)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = WideNet(branches=2)
+    got = train_mod._auto_configuration(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                                        (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)),
+                                        "critical_path", True, False, torch.bfloat16)
+    assert got == (3, "fork", False) and seen == {"amp_dtype": torch.bfloat16}
