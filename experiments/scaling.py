@@ -70,10 +70,7 @@ def plot(points: list[dict], meta: dict, path: Path) -> Path:
     ax.set_ylabel("speedup over the serial graph")
     ax.set_title(f"branchy net: {sweep._meta_line(meta)}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
-    plt.close(fig)
-    return path
+    return sweep.save_figure(fig, path, meta)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -593,6 +593,16 @@ def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
     return "\n".join(lines)
 
 
+def save_figure(fig: Any, path: Path, meta: dict) -> Path:
+    """Save a figure with the run's date, GPU, driver and torch in its PNG metadata, then close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
+    plt.close(fig)
+    return path
+
+
 def plot_speedups(rows: list[dict], meta: dict, out: Path) -> list[Path]:
     """Plot, per precision, best concur mode over best alternative vs batch size, one line per model."""
     import matplotlib
@@ -613,11 +623,7 @@ def plot_speedups(rows: list[dict], meta: dict, out: Path) -> list[Path]:
         ax.set_ylabel("speedup: best concur mode / best alternative")
         ax.set_title(f"{precision}: {_meta_line(meta)}", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"speedup_{precision}.png"
-        fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out / f"speedup_{precision}.png", meta))
     return paths
 
 
@@ -641,11 +647,7 @@ def plot_bounds(rows: list[dict], meta: dict, out: Path) -> list[Path]:
     ax.set_ylabel("speedup over the serial CUDA graph")
     ax.set_title(f"time vs bound: {_meta_line(meta)}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "bound.png"
-    fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / "bound.png", meta)]
 
 
 def plot_utilization_timelines(rows: list[dict], meta: dict, out: Path) -> list[Path]:
