@@ -165,3 +165,20 @@ def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path):
     paths = sweep.plot_utilization_timelines(rows, meta, tmp_path) + sweep.plot_bounds(rows, meta, tmp_path)
     assert sorted(p.name for p in paths) == ["bound.png", "util_m_fp32_b8.png"]
     assert sweep.bound_rows(rows)[0]["achieved_speedup"] == pytest.approx(1.5)
+
+
+def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path):
+    from experiments import scaling
+
+    rows = [dict(model="branchy:4x32", mode="serial_graph", status="ok", ms=4.0),
+            dict(model="branchy:4x32", mode="concur_graph:4", status="ok", ms=2.0, graph_streams=4,
+                 predicted_speedup=2.5),
+            dict(model="branchy:8x32", mode="serial_graph", status="skipped: no CUDA"),
+            dict(model="branchy:8x32", mode="eager_streams:8", status="ok", ms=9.0, streams_requested=8,
+                 predicted_speedup=3.0),
+            dict(model="googlenet", mode="serial_graph", status="ok", ms=1.0)]
+    points = scaling.scaling_points(rows)
+    assert points == [dict(branches=4, width=32, streams=4, predicted=2.5, measured=2.0),
+                      dict(branches=8, width=32, streams=8, predicted=3.0, measured=None)]
+    path = scaling.plot(points, dict(date="d", gpu="g", driver="v", torch="t"), tmp_path / "scaling.png")
+    assert path.exists()
