@@ -290,6 +290,11 @@ def run_one(cfg: dict) -> dict:
         monitor.mark("timed steps")
         timed_from = time.monotonic()
         row["ms"], row["iqr_ms"] = time_cuda_ms(fn, warmup=warmup, repeats=repeats)
+        # NVML reports a sample every ~200 ms: a timeline worth drawing needs seconds of steps
+        while time.monotonic() - timed_from < cfg.get("util_seconds", 0):
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
         record = monitor.stop()
         timed_s = record.phases()[-1][1] if record.marks else 0.0
         row["util_percent"] = record.mean_utilization(start_s=timed_s)
@@ -453,6 +458,7 @@ def make_configs(args: argparse.Namespace) -> list[dict]:
             for batch in args.batches:
                 for mode in args.modes:
                     cfg = dict(model=model, batch=batch, precision=precision, mode=mode, repeats=args.repeats,
+                               util_seconds=args.util_seconds,
                                warmup=args.warmup, out=str(args.out))
                     if args.image_size:
                         cfg["image_size"] = args.image_size
@@ -712,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, help="override every model's input size")
+    parser.add_argument("--util-seconds", type=float, default=0.0,
+                        help="keep stepping until the timed phase lasts this long, for NVML's utilization "
+                             "timeline (it samples every ~200 ms); default 0: the timed repeats only")
     parser.add_argument("--report-only", action="store_true",
                         help="only rewrite the reports of the run in --out (e.g. after an interrupted sweep)")
     parser.add_argument("--cpu-smoke", action="store_true",
