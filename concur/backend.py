@@ -49,6 +49,9 @@ class BackendOptions:
     scheduler: str = "critical_path"
     segment_compiler: str = "inductor"
     roofline: Roofline | None = None  # default: from the device of the graph's inputs
+    # Experimental, off: how many kernel launches' worth of work a segment may run past an op
+    # another stream waits for, to save a segment (an inductor compilation). Not yet measured on a GPU.
+    event_delay_launches: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,9 @@ def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backe
                                                                   options.scheduler))
     if schedule.num_streams == 1:
         return None
-    plan = partition(gm.graph, schedule)
+    delay = options.event_delay_launches * roof.kernel_overhead_us
+    plan = partition(gm.graph, schedule, node_cost=lambda name: dag.nodes[name]["cost"] if name in dag else 0.0,
+                     max_event_delay=delay)
     problems = schedulers.validate(dag, schedule) + verify(plan)
     if problems:
         raise ValueError(f"invalid plan (a concur bug, please report it): {problems[:3]}")
@@ -199,14 +204,20 @@ def _boxed(gm: fx.GraphModule) -> Callable[[list], Any]:
 
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *,
-            segment_compiler: str = "inductor", roofline: Roofline | None = None) -> ConcurBackend:
+            segment_compiler: str = "inductor", roofline: Roofline | None = None,
+            event_delay_launches: float = 0.0) -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
     ``torch.compile(model, backend=concur.backend(streams=4))``; the name
     ``"concur"`` is the same with defaults. ``segment_compiler="eager"`` skips
     inductor and runs segments as fx code (for tests and debugging).
+    ``event_delay_launches`` (experimental, default off) trades some
+    concurrency for fewer segments, i.e. fewer inductor compilations: see
+    :func:`concur.segments.partition`.
     """
-    return ConcurBackend(BackendOptions(streams, scheduler, segment_compiler, roofline))
+    if event_delay_launches < 0:
+        raise ValueError(f"event_delay_launches must be >= 0, got {event_delay_launches!r}")
+    return ConcurBackend(BackendOptions(streams, scheduler, segment_compiler, roofline, event_delay_launches))
 
 
 def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -10,8 +10,15 @@ an op another stream waits for. On a 2-stream Inception block::
 Each segment becomes a GraphModule that a compiler (inductor, or nothing for
 the eager path) turns into fused kernels; fusion happens *inside* segments,
 concurrency *between* them. Segments are issued in the order their first op
-appears in the schedule; that order is topological, because an event's
-producer always ends its segment and a waiting op always starts one.
+appears in the schedule; that order is topological, because a waiting op
+always starts a segment and an event's producer ends one.
+
+Every segment costs an inductor compilation, so ``max_event_delay`` (same
+unit as ``node_cost``, off by default) lets a segment run on past an op that
+another stream waits for, for at most that much work: the event is recorded
+later, which can only add ordering (the consumer waits longer), never remove
+it, and the ops carried along need no wait of their own, so the issue order
+stays topological. :func:`verify` checks the result either way.
 
 The plan (:class:`SegmentPlan`) is pure data over fx nodes; the runner
 (:class:`SegmentedCall`) is the only part that touches streams, through the
@@ -67,26 +74,44 @@ def _issue_groups(graph: fx.Graph, schedule: Schedule) -> list[tuple[str, int, l
     return [(name, schedule.stream[name], unpacks.get(name, [])) for name in schedule.order]
 
 
-def partition(graph: fx.Graph, schedule: Schedule) -> SegmentPlan:
-    """Return ``graph`` cut into segments following ``schedule`` (see the module docstring)."""
+def partition(graph: fx.Graph, schedule: Schedule, node_cost: Callable[[str], float] | None = None,
+              max_event_delay: float = 0.0) -> SegmentPlan:
+    """Return ``graph`` cut into segments following ``schedule`` (see the module docstring).
+
+    With ``max_event_delay > 0`` (and ``node_cost``), a segment holding an op
+    that another stream waits for goes on while the ops after that op cost at
+    most ``max_event_delay`` in all: fewer segments, later events.
+    """
+    if max_event_delay > 0 and node_cost is None:
+        raise ValueError("max_event_delay needs node_cost")
     by_name = {n.name: n for n in graph.nodes}
     consumers = {w.consumer for w in schedule.waits}
     producers = {w.producer for w in schedule.waits}
     members: list[list[str]] = []
     streams: list[int] = []
     open_segment: dict[int, int] = {}
+    delayed: dict[int, float] = {}  # per stream: work issued after the open segment's first producer
     segment_of: dict[str, int] = {}
     for name, s, unpacks in _issue_groups(graph, schedule):
+        cost = node_cost(name) if max_event_delay > 0 else 0.0
+        if s in delayed and delayed[s] + cost > max_event_delay:
+            del open_segment[s], delayed[s]  # the event may wait no longer
         if s not in open_segment or name in consumers:
             open_segment[s] = len(members)
+            delayed.pop(s, None)
             members.append([])
             streams.append(s)
         index = open_segment[s]
         for member in (name, *unpacks):
             members[index].append(member)
             segment_of[member] = index
+        if s in delayed:
+            delayed[s] += cost
         if name in producers:  # the event follows the op and its unpacks
-            del open_segment[s]
+            if max_event_delay > 0:
+                delayed.setdefault(s, 0.0)
+            else:
+                del open_segment[s]
 
     event_of_segment: dict[int, int] = {}
     for w in schedule.waits:

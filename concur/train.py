@@ -143,8 +143,10 @@ class TrainStep:
                  example_batch: tuple, streams: int, cuda_graph: bool, scheduler: str,
                  max_graphs: int, warmup: int, compile: bool = False,
                  amp_dtype: torch.dtype | None = None,
-                 grad_scaler: "torch.amp.GradScaler | None" = None):
+                 grad_scaler: "torch.amp.GradScaler | None" = None,
+                 compile_options: dict[str, Any] | None = None):
         inputs, _ = example_batch
+        self.compile_options = dict(compile_options or {})
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.requested_streams = streams
@@ -183,7 +185,8 @@ class TrainStep:
         if streams not in self.modules:
             if self.compile:
                 # dynamic=False: a new batch size gets its own static graph, as CUDA graphs need
-                self.backends[streams] = backend(streams=streams, scheduler=self.scheduler)
+                self.backends[streams] = backend(streams=streams, scheduler=self.scheduler,
+                                                 **self.compile_options)
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
                 self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
@@ -291,7 +294,8 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
                streams: int | str = 4, cuda_graph: bool = True, *, compile: bool = False,
                amp_dtype: torch.dtype | None = None,
                grad_scaler: "torch.amp.GradScaler | None" = None, scheduler: str = "critical_path",
-               max_graphs: int = 4, warmup: int = 3) -> TrainStep:
+               max_graphs: int = 4, warmup: int = 3, compile_options: dict[str, Any] | None = None
+               ) -> TrainStep:
     """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
 
     ``example_batch`` is ``(inputs, targets)``; inputs are a tensor or a tuple
@@ -304,7 +308,9 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     ``compile=True`` runs the model through ``torch.compile`` with the concur
     backend (:mod:`concur.backend`): inductor's fused kernels on the streams,
     forward and backward, still captured whole; ``streams=1`` is then exactly
-    ``torch.compile`` plus a whole-step CUDA graph.
+    ``torch.compile`` plus a whole-step CUDA graph. ``compile_options`` are
+    more keyword arguments of :func:`concur.backend` (e.g.
+    ``event_delay_launches``).
 
     ``streams="auto"`` on CUDA measures stream counts and schedulers with the
     tuner (:mod:`concur.tuner`, cached on disk, at most ~20 s) for the
@@ -330,8 +336,10 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
             model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype)
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
+    if compile_options and not compile:
+        raise ValueError("compile_options are options of the torch.compile backend: pass compile=True too")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
-                     max_graphs, warmup, compile, amp_dtype, grad_scaler)
+                     max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options)
 
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,

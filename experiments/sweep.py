@@ -16,6 +16,8 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
                         torch.compiler.cudagraph_mark_step_begin() before each step
     fused:K             concur's torch.compile backend on K streams + whole-step graph
+    fused_delayed:K     the same with event_delay_launches=5 (experimental: fewer segments,
+                        so fewer inductor compilations, for slightly later events)
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
 
@@ -49,9 +51,11 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
-CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", "fused", "critical_path")
-CONCUR_MODES = ("eager_streams", "concur_graph", "fused")  # the rest are the alternatives a user has
-COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", "fused")  # one child each: dynamo state
+CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", "fused", "fused_delayed",
+              "critical_path")
+CONCUR_MODES = ("eager_streams", "concur_graph", "fused", "fused_delayed")  # the rest: what a user has
+COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", "fused", "fused_delayed")  # a child each
+FUSED_DELAY_LAUNCHES = 5.0
 DEFAULT_BATCHES = [8, 32, 64, 128]
 SMOKE = dict(models=["branchy:2x8", "nascell:8"], batches=[2], precisions=["fp32"],
              modes=["eager", "eager_streams:2", "serial_graph", "critical_path"], image_size=32, repeats=3)
@@ -277,7 +281,9 @@ def run_one(cfg: dict) -> dict:
     else:  # every concur path goes through train_step, as experiments/bench_train.py does
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
-                                 compile=kind in ("compile_graph", "fused"), amp_dtype=amp_dtype)
+                                 compile=kind in ("compile_graph", "fused", "fused_delayed"), amp_dtype=amp_dtype,
+                                 compile_options={"event_delay_launches": FUSED_DELAY_LAUNCHES}
+                                 if kind == "fused_delayed" else None)
 
         def fn() -> None:
             step(x, y)

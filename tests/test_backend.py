@@ -112,6 +112,19 @@ def test_inception_v3_train_mode():
     assert_concurrent(backend.graphs)
 
 
+def test_googlenet_with_delayed_events_has_fewer_backward_segments_and_equal_results():
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False, dropout=0.0).train()
+    counts = {}
+    for delay in (0.0, 5.0):
+        backend = concur.backend(streams=4, segment_compiler="eager", event_delay_launches=delay)
+        compare_compiled(copy.deepcopy(model), lambda: torch.randn(2, 3, 64, 64), backend, steps=1)
+        assert_concurrent(backend.graphs)
+        counts[delay] = [g.num_segments for g in forward_and_backward(backend.graphs)]
+        torch._dynamo.reset()
+    assert counts[5.0][1] < counts[0.0][1] and counts[5.0][0] <= counts[0.0][0], counts
+
+
 @pytest.mark.parametrize("scheduler", ["critical_path", "fork"])
 def test_wide_net(scheduler):
     torch.manual_seed(0)
@@ -228,6 +241,7 @@ def test_dynamic_shapes_fall_back_with_one_warning_naming_why():
     ({"streams": 2.0}, "streams"),
     ({"scheduler": "round_robin"}, "critical_path"),
     ({"segment_compiler": "tvm"}, "segment_compiler"),
+    ({"event_delay_launches": -1}, "event_delay_launches"),
 ])
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

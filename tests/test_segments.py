@@ -96,6 +96,12 @@ class Recorder(fx.Interpreter):
         return result
 
 
+def _boxed(module: fx.GraphModule):
+    def run(values: list) -> Any:
+        return module(*values)
+    return run
+
+
 def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
@@ -224,12 +230,7 @@ def test_segmented_call_runs_the_plan_like_the_graph(model, kind):
     gm, args = graph_of(model, kind)
     _, _, plan = plan_for(gm, "fork")
 
-    def boxed(module: fx.GraphModule):
-        def run(values: list) -> Any:
-            return module(*values)
-        return run
-
-    call = SegmentedCall(gm, plan, [boxed(segment_module(gm, s)) for s in plan.segments])
+    call = SegmentedCall(gm, plan, [_boxed(segment_module(gm, s)) for s in plan.segments])
     assert call._boxed_call is True
     torch.manual_seed(3)
     expected = gm(*[_clone(a) for a in args])
@@ -346,3 +347,41 @@ def test_captured_graphs_hold_what_the_tests_rely_on():
     assert sum(n.target is torch.ops.aten.copy_.default for n in fw.graph.nodes) == 2  # ema and calls
     bw, _ = graph_of("wide", "bw")
     assert any("convolution_backward" in str(n.target) for n in bw.graph.nodes)
+
+
+@pytest.mark.parametrize("model,kind", CASES)
+def test_delayed_events_merge_segments_and_stay_correct(model, kind):
+    """max_event_delay lets a segment run past a waited-for op: fewer segments, same values, verified."""
+    gm, args = graph_of(model, kind)
+    dag, schedule, plan = plan_for(gm, "fork")
+    cost = lambda name: dag.nodes[name]["cost"] if name in dag else 0.0  # noqa: E731
+    delayed = partition(gm.graph, schedule, node_cost=cost, max_event_delay=1e9)
+    assert verify(delayed) == []
+    assert len(delayed.segments) <= len(plan.segments)
+    segment_of = {v: seg for seg in delayed.segments for v in seg.nodes}
+    for w in schedule.waits:  # waits still start segments; events may now come later
+        assert segment_of[w.consumer].nodes[0] == w.consumer
+        assert segment_of[w.producer].event in segment_of[w.consumer].waits
+    call = SegmentedCall(gm, delayed, [_boxed(segment_module(gm, s)) for s in delayed.segments])
+    torch.manual_seed(3)
+    expected = gm(*[_clone(a) for a in args])
+    torch.manual_seed(3)
+    assert same(list(call([_clone(a) for a in args])), list(expected))
+
+
+def test_delay_limit_bounds_the_work_after_a_waited_for_op():
+    gm, _ = graph_of("wide", "bw")
+    dag, schedule, plan = plan_for(gm, "fork")
+    cost = lambda name: dag.nodes[name]["cost"] if name in dag else 0.0  # noqa: E731
+    producers = {w.producer for w in schedule.waits}
+    counts = []
+    for limit in (0.0, 1e-9, 1e9):
+        p = partition(gm.graph, schedule, node_cost=cost, max_event_delay=limit)
+        counts.append(len(p.segments))
+        for seg in p.segments:
+            first = next((i for i, v in enumerate(seg.nodes) if v in producers), None)
+            if first is not None:
+                assert sum(cost(v) for v in seg.nodes[first + 1:]) <= limit
+    assert counts[0] == len(plan.segments) and counts[2] < counts[0], counts
+    with pytest.raises(ValueError, match="node_cost"):
+        partition(gm.graph, schedule, max_event_delay=1.0)

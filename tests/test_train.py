@@ -157,3 +157,15 @@ def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
                                         (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)),
                                         "critical_path", True, False, torch.bfloat16)
     assert got == (3, "fork", False) and seen == {"amp_dtype": torch.bfloat16}
+
+
+def test_compile_options_reach_the_backend_and_need_compile():
+    model = WideNet(branches=2)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="compile=True"):
+        concur.train_step(model, nn.CrossEntropyLoss(), opt, batch, cuda_graph=False,
+                          compile_options={"event_delay_launches": 5})
+    step = concur.train_step(model, nn.CrossEntropyLoss(), opt, batch, streams=2, cuda_graph=False, compile=True,
+                             compile_options={"event_delay_launches": 5})
+    assert step.backends[2].options.event_delay_launches == 5
