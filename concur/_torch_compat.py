@@ -139,3 +139,46 @@ def has_symbolic_shapes(example_inputs: list) -> bool:
         if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
             return True
     return False
+
+
+# --- GradScaler and fused optimizers, used by concur.train -----------------------------------
+
+
+def grad_scaler_tensors(scaler: "torch.amp.GradScaler") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return GradScaler's loss scale and growth tracker: its whole mutable state between steps.
+
+    Both are private attributes (``_scale``, ``_growth_tracker``), created
+    lazily by the first ``scale()`` call; None until then.
+    """
+    return getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+
+
+def reset_grad_scaler(scaler: "torch.amp.GradScaler", scale: torch.Tensor | None,
+                      growth_tracker: torch.Tensor | None) -> None:
+    """Put GradScaler's tensors back in place: to saved copies, or to a fresh scaler's state if None."""
+    live_scale, live_growth = grad_scaler_tensors(scaler)
+    if live_scale is None:
+        return
+    if scale is None:
+        live_scale.fill_(scaler._init_scale)
+        live_growth.zero_()
+    else:
+        live_scale.copy_(scale)
+        live_growth.copy_(growth_tracker)
+
+
+def enable_device_side_amp_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Make ``GradScaler.step`` hand the optimizer ``found_inf`` as a tensor; False if it cannot.
+
+    Fused optimizers (SGD, Adam, AdamW with ``fused=True``) set the private
+    flag ``_step_supports_amp_scaling`` and skip an overflowing step on the
+    device; any optimizer whose groups have a ``fused`` option gets it here.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return True
+    if not all("fused" in group and "foreach" in group for group in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+    optimizer._step_supports_amp_scaling = True
+    return True

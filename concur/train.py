@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from . import _torch_compat as compat
 from . import api
 from .backend import ConcurBackend, backend
 from .annotate import tensors_in
@@ -58,7 +59,8 @@ class _Snapshot:
                  grad_scaler: "torch.amp.GradScaler | None" = None):
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
-        self.scaler_state = [None if t is None else t.clone() for t in _scaler_tensors(grad_scaler)]
+        self.scaler_state = (None, None) if grad_scaler is None else \
+            tuple(None if t is None else t.clone() for t in compat.grad_scaler_tensors(grad_scaler))
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
@@ -83,19 +85,8 @@ class _Snapshot:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-        if self.grad_scaler is not None:
-            scale, growth = _scaler_tensors(self.grad_scaler)
-            saved_scale, saved_growth = self.scaler_state
-            if scale is not None:  # created lazily by the first scale() call, i.e. during warm-up
-                scale.fill_(self.grad_scaler._init_scale) if saved_scale is None else scale.copy_(saved_scale)
-                growth.zero_() if saved_growth is None else growth.copy_(saved_growth)
-
-
-def _scaler_tensors(grad_scaler: "torch.amp.GradScaler | None") -> list:
-    """The loss scale and growth tracker: GradScaler's whole mutable state between steps."""
-    if grad_scaler is None:
-        return [None, None]
-    return [getattr(grad_scaler, "_scale", None), getattr(grad_scaler, "_growth_tracker", None)]
+        if self.grad_scaler is not None:  # its tensors may first appear during warm-up
+            compat.reset_grad_scaler(self.grad_scaler, *self.scaler_state)
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -107,25 +98,6 @@ def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
                 step = optimizer.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor) and step.device != p.device:
                     optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
-
-
-def _enable_in_graph_loss_scaling(optimizer: torch.optim.Optimizer) -> bool:
-    """Let ``GradScaler.step`` skip an overflowing step without a host sync; False if impossible.
-
-    A plain optimizer under GradScaler asks ``found_inf.item()`` on the host
-    before stepping, which a CUDA graph cannot capture. Fused optimizers
-    (SGD, Adam, AdamW with ``fused=True``) take ``found_inf`` and the scale as
-    tensors and skip on the device, and ``GradScaler.update`` is already
-    sync-free, so with them the whole fp16 step is capturable.
-    """
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        return True
-    if not all("fused" in group and "foreach" in group for group in optimizer.param_groups):
-        return False
-    for group in optimizer.param_groups:
-        group["fused"], group["foreach"] = True, False
-    optimizer._step_supports_amp_scaling = True
-    return True
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -163,7 +135,9 @@ class TrainStep:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
                           "in issue order (same results as the plain loop).", stacklevel=3)
         self.cuda_graph = cuda_graph and on_cuda
-        if self.cuda_graph and self.grad_scaler is not None and not _enable_in_graph_loss_scaling(optimizer):
+        # Under GradScaler a plain optimizer asks found_inf.item() on the host, which a graph
+        # cannot capture; fused ones skip an overflowing step on the device.
+        if self.cuda_graph and self.grad_scaler is not None and not compat.enable_device_side_amp_skip(optimizer):
             warnings.warn(f"concur.train_step: {type(optimizer).__name__} under GradScaler checks for "
                           "infinities on the host, which a CUDA graph cannot capture; running the "
                           "concurrent plan eagerly. Use SGD, Adam or AdamW (made fused=True "

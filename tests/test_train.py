@@ -169,3 +169,32 @@ def test_compile_options_reach_the_backend_and_need_compile():
     step = concur.train_step(model, nn.CrossEntropyLoss(), opt, batch, streams=2, cuda_graph=False, compile=True,
                              compile_options={"event_delay_launches": 5})
     assert step.backends[2].options.event_delay_launches == 5
+
+
+def test_snapshot_restores_the_loss_scale_even_if_warm_up_created_it():
+    from concur.train import _Snapshot
+
+    model = WideNet(branches=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fresh = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    snapshot = _Snapshot(model, opt, fresh)  # before the first scale(): no tensors yet
+    fresh.scale(torch.ones(()))
+    fresh.update(new_scale=8.0)
+    snapshot.restore()
+    assert fresh.get_scale() == 1024.0 and fresh._growth_tracker.item() == 0
+
+    snapshot = _Snapshot(model, opt, fresh)  # now with tensors: restored to the saved values
+    fresh.update(new_scale=2.0)
+    snapshot.restore()
+    assert fresh.get_scale() == 1024.0
+
+
+def test_sgd_adam_adamw_are_made_fused_for_the_device_side_skip_and_others_are_refused():
+    from concur._torch_compat import enable_device_side_amp_skip
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        opt = cls(params, lr=0.1)
+        assert enable_device_side_amp_skip(opt)
+        assert opt._step_supports_amp_scaling and all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    assert not enable_device_side_amp_skip(torch.optim.LBFGS(params))
