@@ -355,56 +355,55 @@ def child_group_main(configs_json: str) -> int:
 # --------------------------------------------------------------------------- the sweep (parent)
 
 
+def _run_child(flag: str, payload: Any, timeout_s: float) -> tuple[str, tuple[str, str] | None]:
+    """Run ``python -m experiments.sweep <flag> <json>``; return its stdout and (error, stderr tail) or None."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "experiments.sweep", flag, json.dumps(payload)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        return (out.decode(errors="replace") if isinstance(out, bytes) else out,
+                (f"timeout after {timeout_s:.0f} s", ""))
+    if proc.returncode != 0:
+        return proc.stdout, (f"subprocess exited with {proc.returncode} (crash or OOM kill?)",
+                             (proc.stderr or "")[-1500:])
+    return proc.stdout, None
+
+
+def _rows_printed(stdout: str) -> dict[str, dict]:
+    return {row["key"]: row for row in (json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{"))}
+
+
+def _error_row(cfg: dict, meta: dict, message: str, stderr_tail: str) -> dict:
+    row = dict(cfg, key=config_key(cfg), started=time.time(), **meta, status="error", error=message,
+               stderr_tail=stderr_tail)
+    row.pop("fail", None)
+    return row
+
+
 def run_in_subprocess(cfg: dict, timeout_s: float, meta: dict) -> dict:
     """Run one configuration in a fresh interpreter; a crash or timeout becomes an error row."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    base = dict(cfg, key=config_key(cfg), started=time.time(), **meta)
-    base.pop("fail", None)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "experiments.sweep", "--one", json.dumps(cfg)], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(base, status="error", error=f"timeout after {timeout_s:.0f} s")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    tail = (proc.stderr or "")[-1500:]
-    return dict(base, status="error", error=f"subprocess exited with {proc.returncode} (crash or OOM kill?)",
-                stderr_tail=tail)
+    stdout, error = _run_child("--one", cfg, timeout_s)
+    row = _rows_printed(stdout).get(config_key(cfg))
+    if error is None and row is not None:
+        return row
+    return _error_row(cfg, meta, *(error or ("the child printed no row", "")))
 
 
 def run_group_in_subprocess(cfgs: list[dict], timeout_s: float, meta: dict) -> list[dict]:
     """Run configurations in one fresh interpreter; what a crash or hang left undone runs one per child."""
     if len(cfgs) == 1:
         return [run_in_subprocess(cfgs[0], timeout_s, meta)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    error = None
-    try:
-        proc = subprocess.run([sys.executable, "-m", "experiments.sweep", "--group", json.dumps(cfgs)], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=timeout_s * len(cfgs))
-        stdout = proc.stdout
-        if proc.returncode != 0:
-            error = (f"subprocess exited with {proc.returncode} (crash or OOM kill?)", (proc.stderr or "")[-1500:])
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        stdout = out.decode(errors="replace") if isinstance(out, bytes) else out
-        error = (f"timeout: the group ran past {timeout_s * len(cfgs):.0f} s", "")
-    rows = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            rows[row["key"]] = row
+    stdout, error = _run_child("--group", cfgs, timeout_s * len(cfgs))
+    rows = _rows_printed(stdout)
     result = []
     for i, cfg in enumerate(cfgs):
-        key = config_key(cfg)
-        if key in rows:
-            result.append(rows[key])
+        if config_key(cfg) in rows:
+            result.append(rows[config_key(cfg)])
             continue
         # the child died on this configuration: record it, run the rest one per child
-        base = dict(cfg, key=key, started=time.time(), **meta)
-        base.pop("fail", None)
-        message, tail = error or ("the child printed no row for it", "")
-        result.append(dict(base, status="error", error=message, stderr_tail=tail))
+        result.append(_error_row(cfg, meta, *(error or ("the child printed no row for it", ""))))
         result.extend(run_in_subprocess(c, timeout_s, meta) for c in cfgs[i + 1:])
         break
     return result
@@ -663,12 +662,15 @@ def plot_bounds(rows: list[dict], meta: dict, out: Path) -> list[Path]:
 
 
 def plot_utilization_timelines(rows: list[dict], meta: dict, out: Path) -> list[Path]:
-    """NVML utilization over setup and timed steps, one line per mode, per model and precision at one batch.
+    """NVML utilization over the timed steps, one line per mode, per model and precision at one batch.
 
     The smallest batch is drawn: that is where a step is launch-bound and the
-    modes differ most in how busy they keep the GPU.
+    modes differ most in how busy they keep the GPU. Each mode's timed phase
+    becomes one phase of a merged record, placed after the previous mode's.
     """
-    from concur.monitor import MonitorRecord
+    from dataclasses import replace
+
+    from concur.monitor import Mark, MonitorRecord
     from concur.report import plot_utilization
 
     paths = []
@@ -676,27 +678,19 @@ def plot_utilization_timelines(rows: list[dict], meta: dict, out: Path) -> list[
     for model, precision in sorted({(r["model"], r["precision"]) for r in saved}):
         mine = [r for r in saved if (r["model"], r["precision"]) == (model, precision)]
         batch = min(r["batch"] for r in mine)
-        merged, offset = None, 0.0
+        records, samples, utilization, marks, offset = [], [], [], [], 0.0
         for r in sorted((r for r in mine if r["batch"] == batch), key=lambda r: r["mode"]):
             rec = MonitorRecord.load(r["util_timeline"])
             timed = rec.phases()[-1][1] if rec.marks else 0.0
-            shift = offset - timed  # each mode's timed steps, one after another
-            part = MonitorRecord.from_dict(dict(
-                rec.to_dict(),
-                samples=[dict(vars(x), t_s=x.t_s + shift) for x in rec.samples if x.t_s >= timed],
-                utilization=[dict(vars(u), t_s=u.t_s + shift) for u in rec.utilization if u.t_s >= timed - 0.2],
-                marks=[]))
-            if merged is None:
-                merged = MonitorRecord.from_dict(dict(part.to_dict(), marks=[]))
-                merged.samples, merged.utilization = [], []
-            merged.samples += part.samples
-            merged.utilization += part.utilization
-            merged.marks.append(type(rec.marks[0])(offset, r["mode"]) if rec.marks else None)
+            shift = offset - timed
+            samples += [replace(x, t_s=x.t_s + shift) for x in rec.samples if x.t_s >= timed]
+            utilization += [replace(u, t_s=u.t_s + shift) for u in rec.utilization if u.t_s >= timed - 0.2]
+            marks.append(Mark(offset, r["mode"]))
             offset += max(rec.duration_s - timed, 0.25)
-        if merged is None or not merged.samples:
+            records.append(rec)
+        if not samples:
             continue
-        merged.marks = [m for m in merged.marks if m is not None]
-        merged.duration_s = offset
+        merged = replace(records[0], samples=samples, utilization=utilization, marks=marks, duration_s=offset)
         path = plot_utilization(merged, f"{model} {precision} b{batch}",
                                 out / f"util_{_file_stem(model)}_{precision}_b{batch}.png")
         if path:
