@@ -96,19 +96,12 @@ def assert_concurrent(graphs: list[CompiledGraphInfo]) -> None:
 # ---------------------------------------------------------------- equality, eager segments
 
 
-def test_googlenet_train_mode():
+@pytest.mark.parametrize("name,size", [("googlenet", 64), ("inception_v3", 75)])
+def test_torchvision_model_train_mode(name, size):
     torch.manual_seed(0)
-    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).train()
+    model = torchvision.models.get_model(name, weights=None, aux_logits=False, init_weights=False).train()
     backend = concur.backend(streams=4, segment_compiler="eager")
-    compare_compiled(model, lambda: torch.randn(2, 3, 64, 64), backend, steps=1)
-    assert_concurrent(backend.graphs)
-
-
-def test_inception_v3_train_mode():
-    torch.manual_seed(0)
-    model = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False).train()
-    backend = concur.backend(streams=4, segment_compiler="eager")
-    compare_compiled(model, lambda: torch.randn(2, 3, 75, 75), backend, steps=1)
+    compare_compiled(model, lambda: torch.randn(2, 3, size, size), backend, steps=1)
     assert_concurrent(backend.graphs)
 
 
