@@ -33,24 +33,45 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name):
     batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
                 torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(50)]
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
-    results = {}
+    results, updates = {}, {}
     for streams in (1, 4):
         model = copy.deepcopy(base)
         opt = make_opt(model.parameters())
         step = concur.train_step(model, _loss, opt, batches[0], streams=streams, compile=True)
-        results[streams] = torch.tensor(_train(model, opt, batches, step))
+        results[streams], updates[streams] = _train_noting_first_update(model, opt, batches, step)
         if streams == 4:
             infos = step.backends[4].graphs
             assert all(i.fallback_reason is None for i in infos), infos
             assert max(i.num_streams for i in infos) > 1, "the fused graphs must use several streams"
         torch._dynamo.reset()
     ref = copy.deepcopy(base)
-    expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
-    deviation = ((results[4] - expected).abs() / expected.abs()).cummax(0).values
-    allowed = 4 * ((results[1] - expected).abs() / expected.abs()).cummax(0).values + 1e-4
-    print(f"{name}: fused deviation {deviation[-1]:.2e}, compile's own {allowed[-1]:.2e}")
-    assert deviation[0] < 1e-4 and (deviation <= allowed).all()
+    expected, expected_update = _train_noting_first_update(ref, make_opt(ref.parameters()), batches)
 
+    def update_error(update):  # one step, no chaos yet: only the kernels' summation order differs
+        return ((update - expected_update).norm() / expected_update.norm()).item()
+
+    def deviation(losses):
+        return ((losses - expected).abs() / expected.abs()).cummax(0).values
+
+    fused, compiled = deviation(results[4]), deviation(results[1])
+    print(f"{name}: first update error fused {update_error(updates[4]):.2e}, compile's own "
+          f"{update_error(updates[1]):.2e}; loss deviation over 50 steps fused {fused[-1]:.2e}, "
+          f"compile's own {compiled[-1]:.2e}")
+    assert fused[0] < 1e-4, "the first forward must match eager's"
+    assert update_error(updates[4]) <= 4 * update_error(updates[1]) + 1e-4
+    # Training is chaotic (on the CPU a 1e-7 nudge reaches 1e-2 in the loss within two steps), so
+    # a step-by-step comparison with compile's single trajectory measures luck; the run as a whole
+    # must stay within 4x of how far compile's own run drifts.
+    assert fused[-1] <= 4 * compiled[-1] + 1e-4
+
+
+def _train_noting_first_update(model, opt, batches, step=None):
+    """Losses of a run, and the flat parameter change of its first step."""
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    losses = _train(model, opt, batches[:1], step)
+    update = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+    losses += _train(model, opt, batches[1:], step)
+    return torch.tensor(losses), update
 
 @pytest.mark.parametrize("model_flag", [[], ["--inception"]], ids=["googlenet", "inception_v3"])
 def test_fused_path_under_the_sanitizer_reports_no_race(model_flag):
