@@ -1,6 +1,6 @@
 """Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
 
-Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--inception] [--compile]
+Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--model googlenet|inception_v3|resnet50] [--compile]
 ``--compile`` runs the fused path (torch.compile with the concur backend) without a graph.
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
@@ -19,8 +19,9 @@ if "--plant-missing-wait" in sys.argv:
 
 with cuda_sanitizer():
     torch.manual_seed(0)
-    name = "inception_v3" if "--inception" in sys.argv else "googlenet"
-    model = torchvision.models.get_model(name, weights=None, aux_logits=False, init_weights=False).cuda().train()
+    name = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "googlenet"
+    options = {} if name == "resnet50" else {"aux_logits": False, "init_weights": False}
+    model = torchvision.models.get_model(name, weights=None, **options).cuda().train()
     size = 75 if name == "inception_v3" else 64
     x = torch.randn(4, 3, size, size, device="cuda")
     y = torch.randint(0, 1000, (4,), device="cuda")

@@ -73,9 +73,9 @@ def _train_noting_first_update(model, opt, batches, step=None):
     losses += _train(model, opt, batches[1:], step)
     return torch.tensor(losses), update
 
-@pytest.mark.parametrize("model_flag", [[], ["--inception"]], ids=["googlenet", "inception_v3"])
-def test_fused_path_under_the_sanitizer_reports_no_race(model_flag):
-    result = subprocess.run([sys.executable, "-m", "tests.gpu_sanitized_run", "--compile", *model_flag],
+@pytest.mark.parametrize("model", ["googlenet", "inception_v3", "resnet50"])
+def test_fused_path_under_the_sanitizer_reports_no_race(model):
+    result = subprocess.run([sys.executable, "-m", "tests.gpu_sanitized_run", "--compile", "--model", model],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr[-3000:]
