@@ -9,6 +9,8 @@
 #   bench          bench_train.py: the README's runtime table (3 models, all batches, 2/4/8 streams)
 #   quick          bench_train.py on GoogLeNet and Inception-v3, batch 8 and 64
 #   tuner          issue 4's tuner-vs-sweep report
+#   scaling        python -m experiments.scaling (branch count x width), resumed in the run directory
+#                  beside the sweep, copied to $OUT/scaling.tgz
 #   sweep:ARGS     python -m experiments.sweep ARGS (commas for spaces), resumed in
 #                  experiments/results/$SWEEP_DIR and copied to $OUT/sweep.tgz
 # DEADLINE (default 585 s) bounds a sweep step so its results are packed before the call's limit.
@@ -37,6 +39,10 @@ for step in "$@"; do
     quick) python3 experiments/bench_train.py --models googlenet inception_v3 --batches 8 64 --repeats 20 \
              --out "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -20 ;;
     tuner) timeout 570 python3 experiments/gpu_tuner_report.py --out "$OUT" 2>&1 | tee "$OUT/gpu_tuner_report.log" | tail -40 ;;
+    scaling) dir=experiments/results/${SWEEP_DIR%/*}/scaling
+             timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 15 )) python3 -m experiments.scaling --out "$dir" --resume \
+               2>&1 | tee -a "$OUT/scaling.log" | grep -v "^W1\|Warning" | tail -12
+             tar czf "$OUT/scaling.tgz" --exclude=traces "$dir" ;;
     sweep:*) dir=experiments/results/$SWEEP_DIR; sweep_args=${step#sweep:}
              left=$(( ${DEADLINE:-585} - SECONDS - 15 ))  # stop in time to pack what finished
              timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume ${sweep_args//,/ } 2>&1 \

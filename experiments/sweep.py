@@ -42,6 +42,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -355,9 +356,11 @@ def child_group_main(configs_json: str) -> int:
 # --------------------------------------------------------------------------- the sweep (parent)
 
 
-def _run_child(flag: str, payload: Any, timeout_s: float) -> tuple[str, tuple[str, str] | None]:
+def _run_child(flag: str, payload: Any, timeout_s: float, extra_env: dict[str, str] | None = None
+               ) -> tuple[str, tuple[str, str] | None]:
     """Run ``python -m experiments.sweep <flag> <json>``; return its stdout and (error, stderr tail) or None."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               **(extra_env or {}))
     try:
         proc = subprocess.run([sys.executable, "-m", "experiments.sweep", flag, json.dumps(payload)], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -383,8 +386,17 @@ def _error_row(cfg: dict, meta: dict, message: str, stderr_tail: str) -> dict:
 
 
 def run_in_subprocess(cfg: dict, timeout_s: float, meta: dict) -> dict:
-    """Run one configuration in a fresh interpreter; a crash or timeout becomes an error row."""
-    stdout, error = _run_child("--one", cfg, timeout_s)
+    """Run one configuration in a fresh interpreter; a crash or timeout becomes an error row.
+
+    A compiling configuration gets empty inductor and Triton caches unless it
+    asks for the shared ones: a kernel another configuration already compiled
+    would otherwise make its compile time look shorter than a user's first run.
+    """
+    with tempfile.TemporaryDirectory(prefix="concur-sweep-cache-") as cache:
+        cold = cfg.get("compile_cache") == "cold"
+        extra_env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"} \
+            if cold else None
+        stdout, error = _run_child("--one", cfg, timeout_s, extra_env)
     row = _rows_printed(stdout).get(config_key(cfg))
     if error is None and row is not None:
         return row
@@ -467,6 +479,8 @@ def make_configs(args: argparse.Namespace) -> list[dict]:
                                warmup=args.warmup, out=str(args.out))
                     if args.image_size:
                         cfg["image_size"] = args.image_size
+                    if mode.split(":")[0] in COMPILING_MODES:
+                        cfg["compile_cache"] = "shared" if args.shared_compile_cache else "cold"
                     for spec in args.inject_failure:
                         needle, _, how = spec.rpartition("=")
                         if needle == config_key(cfg):
@@ -715,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="run directory (default experiments/results/<date>-<gpu>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished configs")
     parser.add_argument("--timeout-per-config", type=float, default=900.0, help="seconds (default 900)")
+    parser.add_argument("--shared-compile-cache", action="store_true",
+                        help="compiling modes reuse the caches in TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR "
+                             "(faster reruns; their setup_s is then not a first compile). Default: empty caches")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, help="override every model's input size")

@@ -146,6 +146,29 @@ def test_in_place_models(model_cls):
         assert model.calls.item() == 3 and model.ema.abs().sum() > 0  # the buffers really moved
 
 
+class ChainWithShortcut(nn.Module):
+    """A ResNet-like block: eight 3x3 convolutions beside one cheap 1x1 shortcut."""
+
+    def __init__(self, channels: int = 32):
+        super().__init__()
+        self.chain = nn.Sequential(*[nn.Conv2d(channels, channels, 3, padding=1) for _ in range(8)])
+        self.shortcut = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        return self.chain(x) + self.shortcut(x)
+
+
+@pytest.mark.parametrize("min_gain", [None, 1.0])
+def test_a_graph_predicted_to_gain_little_is_compiled_whole(min_gain):
+    torch.manual_seed(0)
+    options = {} if min_gain is None else {"min_predicted_speedup": min_gain}
+    backend = concur.backend(streams=4, segment_compiler="eager", roofline=NO_MERGE, **options)
+    compare_compiled(ChainWithShortcut(), lambda: torch.randn(2, 32, 8, 8), backend, steps=1)
+    streams = [g.num_streams for g in backend.graphs]
+    assert streams == ([1, 1] if min_gain is None else [2, 2]), streams  # the shortcut is cheap beside the chain
+    assert all(g.fallback_reason is None for g in backend.graphs)  # a decision, not a failure
+
+
 def test_one_stream_is_the_whole_graph():
     torch.manual_seed(0)
     backend = concur.backend(streams=1, segment_compiler="eager")
@@ -235,6 +258,7 @@ def test_dynamic_shapes_fall_back_with_one_warning_naming_why():
     ({"scheduler": "round_robin"}, "critical_path"),
     ({"segment_compiler": "tvm"}, "segment_compiler"),
     ({"event_delay_launches": -1}, "event_delay_launches"),
+    ({"min_predicted_speedup": 0.5}, "min_predicted_speedup"),
 ])
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):

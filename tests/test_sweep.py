@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import tempfile
 import types
 
 import networkx as nx
@@ -136,6 +137,28 @@ def test_modes_that_compile_get_a_child_each_and_the_rest_share_one():
     groups = [[c["model"] + "|" + c["mode"] for c in g] for g in sweep.group_configs(cfgs)]
     assert groups == [["a|eager", "a|serial_graph"], ["a|compile"], ["a|fused:4"], ["a|critical_path"],
                       ["b|eager", "b|serial_graph"], ["b|compile"], ["b|fused:4"], ["b|critical_path"]]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_compiling_modes_start_from_empty_compile_caches_unless_asked(shared, monkeypatch, tmp_path):
+    args = types.SimpleNamespace(precisions=["fp32"], models=["m"], batches=[8], modes=["eager", "compile"],
+                                 repeats=1, util_seconds=0, warmup=0, out=tmp_path, image_size=None,
+                                 inject_failure=[], shared_compile_cache=shared)
+    eager, compiling = sweep.make_configs(args)
+    assert "compile_cache" not in eager and compiling["compile_cache"] == ("shared" if shared else "cold")
+    seen = []
+
+    def fake_child(flag, cfg, timeout_s, extra_env=None):
+        seen.append(extra_env)
+        return json.dumps(dict(cfg, key=sweep.config_key(cfg), status="ok")) + "\n", None
+
+    monkeypatch.setattr(sweep, "_run_child", fake_child)
+    assert sweep.run_in_subprocess(compiling, 10, {})["status"] == "ok"
+    if shared:
+        assert seen == [None]
+    else:
+        [env] = seen
+        assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir()) and "triton" in env["TRITON_CACHE_DIR"]
 
 
 def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
