@@ -12,8 +12,9 @@ at the last stage, where inductor compiles each graph: it
    boundaries, so no layout conversion is added between segments,
 5. returns a runner that issues the compiled segments on their streams.
 
-When the schedule uses one stream (``streams=1``, or a chain-like graph), the
-graph goes to inductor whole: ``streams=1`` is exactly ``torch.compile``.
+When the schedule uses one stream (``streams=1``, or a chain-like graph), or
+predicts less than ``min_predicted_speedup`` over one stream, the graph goes to
+inductor whole: ``streams=1`` is exactly ``torch.compile``.
 Anything concur cannot schedule, or a segment inductor rejects, falls back to
 plain inductor for that graph with one warning naming why; results never
 differ from inductor's. ``segment_compiler="eager"`` runs segments as plain

@@ -314,11 +314,19 @@ def run_one(cfg: dict) -> dict:
     if step is not None:
         row["streams_requested"] = step.requested_streams
         row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
+        if step.backends:
+            row["compiled_graphs"] = compiled_graphs(step)
         if kind in CONCUR_MODES:
             k = row["graph_streams"] or step.requested_streams
             predicted = concur.inspect(model, (x,), max_streams=max(k, 1)).predicted_speedup
             row["predicted_speedup"] = predicted.get(k)
     return row
+
+
+def compiled_graphs(step: Any) -> list[dict]:
+    """What the concur backend made of each forward and backward graph of a ``train_step(compile=True)``."""
+    return [dict(backward=g.is_backward, segments=g.num_segments, streams=g.num_streams, fallback=g.fallback_reason)
+            for backend in step.backends.values() for g in backend.graphs]
 
 
 def _row_or_error(cfg: dict) -> dict:

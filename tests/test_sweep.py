@@ -161,6 +161,18 @@ def test_compiling_modes_start_from_empty_compile_caches_unless_asked(shared, mo
         assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir()) and "triton" in env["TRITON_CACHE_DIR"]
 
 
+def test_fused_rows_record_what_the_backend_made_of_each_graph():
+    torch.manual_seed(0)
+    model = BranchyNet(branches=4, width=8, blocks=1)
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                             (x, y), streams=1, compile=True, compile_options={"segment_compiler": "eager"})
+    step(x, y)
+    graphs = sweep.compiled_graphs(step)
+    assert [(g["backward"], g["segments"], g["streams"], g["fallback"]) for g in graphs] == \
+        [(False, 1, 1, None), (True, 1, 1, None)]
+
+
 def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
     args = ["--cpu-smoke", "--models", "branchy:2x8", "--modes", "eager", "eager_streams:2", "serial_graph",
             "--repeats", "2", "--out", str(tmp_path), "--inject-failure", "branchy:2x8|2|fp32|eager_streams:2=crash"]
