@@ -140,8 +140,9 @@ class Inspection:
     width: int
     serial_us: float
     critical_path_us: float
-    predicted_speedup: dict[int, float] = field(default_factory=dict)
+    predicted_speedup: dict[int, float] = field(default_factory=dict)  # concurrent kernels share the device
     auto_leaves: tuple[str, ...] = ()
+    ideal_speedup: dict[int, float] = field(default_factory=dict)  # each kernel as fast as alone: a bound
 
     def __str__(self) -> str:
         rows = [f"model              {self.model}",
@@ -150,8 +151,9 @@ class Inspection:
                 f"serial time        {self.serial_us:,.1f} us (predicted, sum of op costs)",
                 f"critical path      {self.critical_path_us:,.1f} us "
                 f"(bound: {self.serial_us / max(self.critical_path_us, 1e-9):.2f}x)",
-                "streams  predicted speedup"]
-        rows += [f"{k:>7}  {v:.2f}x" for k, v in self.predicted_speedup.items()]
+                "streams  predicted speedup  (if kernels did not compete for the device)"]
+        rows += [f"{k:>7}  {v:17.2f}x  ({self.ideal_speedup.get(k, float('nan')):.2f}x)"
+                 for k, v in self.predicted_speedup.items()]
         if self.auto_leaves:
             shown = ", ".join(self.auto_leaves[:4]) + (", ..." if len(self.auto_leaves) > 4 else "")
             rows.append(f"auto leaves        {len(self.auto_leaves)} kept whole, fx cannot trace them: {shown}")
@@ -171,6 +173,7 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
         width=schedulers.width(dag),
         serial_us=sum(d["cost"] for _, d in dag.nodes(data=True)),
         critical_path_us=schedulers.critical_path_length(dag),
-        predicted_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler),
+        predicted_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler, contention=True),
         auto_leaves=traced.meta.get(AUTO_LEAVES_META, ()),
+        ideal_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler),
     )

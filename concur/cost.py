@@ -63,8 +63,18 @@ class AnalyticCost:
     def node_cost(self, name: str, facts: NodeFacts) -> float:
         if not facts.launches_kernel:
             return 0.0
+        return self.roofline.kernel_overhead_us + self.work_us(facts)
+
+    def work_us(self, facts: NodeFacts) -> float:
+        """Time of the op's work at the whole device's sustained rate, without launch overhead."""
+        return max(self.resource_us(facts).values())
+
+    def resource_us(self, facts: NodeFacts) -> dict[str, float]:
+        """Time the op needs each resource of the whole device: arithmetic and memory bandwidth."""
+        if not facts.launches_kernel:
+            return {"compute": 0.0, "memory": 0.0}
         r = self.roofline
-        return r.kernel_overhead_us + max(facts.flops / r.flops_per_us, facts.bytes_moved / r.bytes_per_us)
+        return {"compute": facts.flops / r.flops_per_us, "memory": facts.bytes_moved / r.bytes_per_us}
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,24 @@ class MeasuredCost:
             return float(self.times_us[name])
         return self.fallback.node_cost(name, facts)
 
+    def resource_us(self, facts: NodeFacts) -> dict[str, float]:
+        resource_us = getattr(self.fallback, "resource_us", None)
+        return resource_us(facts) if resource_us else {}
+
 
 def assign_costs(dag: nx.DiGraph, model: CostModel) -> None:
-    """Set the ``cost`` attribute (µs) of every DAG node from ``model``."""
+    """Set the ``cost`` (µs) and ``share`` attributes of every DAG node from ``model``.
+
+    ``share`` says how much of each device resource (arithmetic, memory
+    bandwidth) an op keeps busy when it runs alone: the time it needs that
+    resource at the device's full rate over its whole time, which also counts
+    launch overhead and, for a measured op, whatever kept it from the full
+    rate, such as too few blocks to fill the SMs. A small kernel leaves room
+    beside it; one at the roofline leaves none of its bound resource.
+    :func:`schedulers.simulate_shared` uses it.
+    """
+    resource_us = getattr(model, "resource_us", None)
     for name, data in dag.nodes(data=True):
-        data["cost"] = model.node_cost(name, data["facts"])
+        data["cost"] = cost = model.node_cost(name, data["facts"])
+        needs = resource_us(data["facts"]) if resource_us and cost > 0 else {}
+        data["share"] = {resource: min(1.0, t / cost) for resource, t in needs.items()}

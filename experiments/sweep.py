@@ -318,8 +318,9 @@ def run_one(cfg: dict) -> dict:
             row["compiled_graphs"] = compiled_graphs(step)
         if kind in CONCUR_MODES:
             k = row["graph_streams"] or step.requested_streams
-            predicted = concur.inspect(model, (x,), max_streams=max(k, 1)).predicted_speedup
-            row["predicted_speedup"] = predicted.get(k)
+            seen = concur.inspect(model, (x,), max_streams=max(k, 1))
+            row["predicted_speedup"] = seen.predicted_speedup.get(k)  # with contention (since 2026-11-23)
+            row["ideal_speedup"] = seen.ideal_speedup.get(k)
     return row
 
 

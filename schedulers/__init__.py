@@ -15,6 +15,7 @@ from schedulers.schedule import (
     minimal_waits,
     schedule,
     simulate,
+    simulate_shared,
     validate,
 )
 from schedulers.serial import serial
@@ -39,6 +40,7 @@ __all__ = [
     "schedule",
     "serial",
     "simulate",
+    "simulate_shared",
     "validate",
     "width",
 ]

@@ -29,7 +29,7 @@ position on u's stream to be finished.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -42,6 +42,7 @@ __all__ = [
     "Schedule",
     "minimal_waits",
     "simulate",
+    "simulate_shared",
     "validate",
     "build_schedule",
     "check_dag",
@@ -76,6 +77,7 @@ class Schedule:
     num_streams: int
     scheduler: str
     makespan: float
+    sync_cost: float = 0.0  # per wait, in cost units, as `makespan` was simulated
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream, MappingProxyType):
@@ -289,6 +291,79 @@ def simulate(
     return max(finish.values(), default=0.0)
 
 
+def node_shares(dag: nx.DiGraph, v: Hashable) -> Mapping[str, float]:
+    """Return the fractions of each device resource `v` keeps busy alone (its `share` attribute).
+
+    `share` is a number (one resource, "device") or a mapping such as
+    ``{"compute": 0.2, "memory": 0.9}``; missing means 0 (no contention).
+    """
+    share = dag.nodes[v].get("share") or 0.0
+    pairs = share.items() if isinstance(share, Mapping) else [("device", share)]
+    return {r: min(max(float(x), 0.0), 1.0) for r, x in pairs}
+
+
+def simulate_shared(dag: nx.DiGraph, schedule: Schedule) -> float:
+    """Return the predicted makespan when concurrent kernels compete for one device.
+
+    `simulate` lets every stream run at full speed, as if each kernel had the
+    device to itself; on a GPU a kernel that fills the SMs leaves nothing to a
+    kernel beside it. Here each node occupies a share of each device resource
+    while it runs (`node_shares`; `concur.cost` gives compute and memory
+    bandwidth). While the running nodes' shares of some resource sum to S > 1,
+    each progresses at rate 1/S (processor sharing on the busiest resource), so
+    two kernels that each fill the device take as long together as one after
+    the other, while a compute-bound and a memory-bound kernel can overlap.
+    With every share 0 this equals `simulate` (same `sync_cost` per wait).
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph(); dag.add_nodes_from(["a", "b"], cost=4.0, share=1.0)
+    >>> s = build_schedule(dag, ["a", "b"], {"a": 0, "b": 1}, "manual")
+    >>> s.makespan, simulate_shared(dag, s)
+    (4.0, 8.0)
+    """
+    sync_cost = schedule.sync_cost
+    into: dict[Hashable, list[Hashable]] = defaultdict(list)
+    for w in schedule.waits:
+        into[w.consumer].append(w.producer)
+    queues = {k: deque(schedule.nodes_on(k)) for k in range(schedule.num_streams)}
+    busy: dict[int, Hashable] = {}  # stream -> node it runs
+    left: dict[Hashable, float] = {}  # node -> remaining cost at full speed
+    finish: dict[Hashable, float] = {}
+    free: dict[int, float] = defaultdict(float)  # stream -> when its last node finished
+    now = 0.0
+    while any(queues.values()) or busy:
+        ready_at = {}
+        for k, queue in queues.items():
+            if k in busy or not queue:
+                continue
+            producers = into.get(queue[0], ())
+            if all(p in finish for p in producers):  # as in `simulate`: from when the stream was free
+                ready_at[k] = max([free[k], *(finish[p] for p in producers)]) + sync_cost * len(producers)
+        for k in [k for k, t in ready_at.items() if t <= now]:
+            v = queues[k].popleft()
+            busy[k], left[v] = v, node_cost(dag, v)
+        if not busy:
+            if not ready_at:
+                raise ValueError("the schedule deadlocks: a wait's producer never runs")
+            now = min(ready_at.values())
+            continue
+        load: dict[str, float] = defaultdict(float)
+        for v in busy.values():
+            for resource, x in node_shares(dag, v).items():
+                load[resource] += x
+        slowdown = max([1.0, *load.values()])
+        step = min(left[v] for v in busy.values()) * slowdown
+        later = [t for t in ready_at.values() if t > now]
+        step = min([step, *(t - now for t in later)])
+        now += step
+        for k, v in list(busy.items()):
+            left[v] -= step / slowdown
+            if left[v] <= 1e-9:
+                finish[v] = free[k] = now
+                del busy[k]
+    return max(finish.values(), default=0.0)
+
+
 def validate(dag: nx.DiGraph, schedule: Schedule) -> list[str]:
     """Return the problems of `schedule` for `dag`, one sentence each; empty when valid."""
     problems: list[str] = []
@@ -371,6 +446,7 @@ def build_schedule(
         num_streams=max(len(renumber), 1),
         scheduler=scheduler,
         makespan=simulate(dag, order, streams, waits, sync_cost),
+        sync_cost=sync_cost,
     )
 
 

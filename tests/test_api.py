@@ -141,4 +141,18 @@ def test_inspect_reports_width_critical_path_and_speedups():
     assert set(info.predicted_speedup) == set(range(1, 9))
     assert info.predicted_speedup[1] == pytest.approx(1.0)
     assert info.predicted_speedup[8] > 2.0
+    assert all(info.predicted_speedup[k] <= info.ideal_speedup[k] + 1e-9 for k in info.ideal_speedup)
     assert "critical path" in str(info)
+
+
+def test_inspect_predicts_less_from_branches_whose_kernels_fill_the_device():
+    """On an H100 roofline, 8 branches of big convolutions gain less than 8 of small ones."""
+    from concur.cost import ROOFLINES, AnalyticCost
+
+    h100 = AnalyticCost(ROOFLINES["h100"])
+    small = concur.inspect(WideNet(branches=8, channels=4), (torch.randn(1, 3, 8, 8),), cost_model=h100)
+    big = concur.inspect(WideNet(branches=8, channels=64), (torch.randn(32, 3, 64, 64),), cost_model=h100)
+    # without contention both look alike: the branches are equal, whatever their size
+    assert big.ideal_speedup[8] > 0.8 * small.ideal_speedup[8]
+    assert big.predicted_speedup[8] < 0.8 * small.predicted_speedup[8]
+    assert big.predicted_speedup[8] < big.ideal_speedup[8]

@@ -20,6 +20,7 @@ from schedulers import (
     schedule,
     serial,
     simulate,
+    simulate_shared,
     validate,
     width,
 )
@@ -238,3 +239,49 @@ def test_validate_catches_a_dropped_wait(dag, k, name, data):
     i = data.draw(st.integers(0, len(s.waits) - 1))
     broken = dataclasses.replace(s, waits=s.waits[:i] + s.waits[i + 1:])
     assert validate(dag, broken) != []
+
+
+# ---------------------------------------------------------------- contention (simulate_shared)
+
+
+@PROPS
+@given(dag=random_dags(), k=st.integers(1, 8), name=st.sampled_from(sorted(SCHEDULERS)),
+       sync_cost=st.floats(0, 5))
+def test_shared_simulation_without_shares_is_simulate(dag, k, name, sync_cost):
+    s = schedule(dag, k, scheduler=name, sync_cost=sync_cost)
+    assert simulate_shared(dag, s) == pytest.approx(s.makespan, rel=1e-9, abs=1e-6)
+
+
+@PROPS
+@given(dag=random_dags(), k=st.integers(1, 8), data=st.data())
+def test_contention_only_slows_and_kernels_that_fill_the_device_add_up(dag, k, data):
+    for v in dag.nodes:
+        dag.nodes[v]["share"] = {"compute": data.draw(st.floats(0, 1)), "memory": data.draw(st.floats(0, 1))}
+    s = critical_path(dag, k, sync_cost=0.0)
+    assert simulate_shared(dag, s) >= s.makespan - 1e-6
+    nx.set_node_attributes(dag, 1.0, "share")  # every kernel fills the device: no overlap can help
+    assert simulate_shared(dag, s) == pytest.approx(serial(dag).makespan, rel=1e-9, abs=1e-6)
+
+
+def test_a_compute_bound_and_a_memory_bound_kernel_overlap_two_compute_bound_do_not():
+    def two_kernels(share_b):
+        dag = nx.DiGraph()
+        dag.add_node("a", cost=4.0, share={"compute": 1.0, "memory": 0.1})
+        dag.add_node("b", cost=4.0, share=share_b)
+        return dag, critical_path(dag, 2, sync_cost=0.0)
+
+    dag, s = two_kernels({"compute": 0.1, "memory": 1.0})
+    assert s.num_streams == 2 and simulate_shared(dag, s) == pytest.approx(4.4)  # memory: 1.1 for 4 units
+    dag, s = two_kernels({"compute": 1.0, "memory": 0.1})
+    assert simulate_shared(dag, s) == pytest.approx(8.0)
+    dag, s = two_kernels({"compute": 0.3, "memory": 0.3})
+    assert simulate_shared(dag, s) == pytest.approx(5.2)  # compute 1.3: both run at 1/1.3
+
+
+def test_contention_aware_speedups_are_lower_for_kernels_that_fill_the_device():
+    dag = fork_join(4)
+    nx.set_node_attributes(dag, 0.5, "share")
+    ideal = predicted_speedups(dag, 4, sync_cost=0.0)
+    shared = predicted_speedups(dag, 4, sync_cost=0.0, contention=True)
+    assert shared[1] == ideal[1] == 1.0
+    assert 1.0 < shared[4] < ideal[4]
