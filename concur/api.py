@@ -166,6 +166,7 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
     """Return the op count, DAG width, critical path and predicted speedup for 1..max_streams."""
     example_inputs = _check_inputs(model, example_inputs, 1)
     traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
+    speedups = schedulers.speedup_predictions(dag, max_streams, scheduler)
     return Inspection(
         model=type(model).__name__,
         num_ops=dag.number_of_nodes(),
@@ -173,7 +174,7 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
         width=schedulers.width(dag),
         serial_us=sum(d["cost"] for _, d in dag.nodes(data=True)),
         critical_path_us=schedulers.critical_path_length(dag),
-        predicted_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler, contention=True),
+        predicted_speedup=speedups["contention"],
         auto_leaves=traced.meta.get(AUTO_LEAVES_META, ()),
-        ideal_speedup=schedulers.predicted_speedups(dag, max_streams, scheduler),
+        ideal_speedup=speedups["ideal"],
     )

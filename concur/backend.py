@@ -51,7 +51,8 @@ class BackendOptions:
     segment_compiler: str = "inductor"
     roofline: Roofline | None = None  # default: from the device of the graph's inputs
     # Experimental, off: how many kernel launches' worth of work a segment may run past an op
-    # another stream waits for, to save a segment (an inductor compilation). Not yet measured on a GPU.
+    # another stream waits for, to save a segment (an inductor compilation). On the H100
+    # (GoogLeNet bf16 b8, 5 launches) it did not shorten the compile: 181 vs 189 s.
     event_delay_launches: float = 0.0
     # A graph whose schedule predicts less than this gain over one stream goes to inductor whole:
     # segments cost inductor's cross-segment fusion, which a chain with few side branches cannot

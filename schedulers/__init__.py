@@ -22,7 +22,7 @@ from schedulers.serial import serial
 from schedulers.critical_path import critical_path
 from schedulers.fork import fork
 from schedulers.coarsen import Coarsened, coarsen, expand
-from schedulers.analysis import critical_path_length, predicted_speedups, width
+from schedulers.analysis import critical_path_length, predicted_speedups, speedup_predictions, width
 
 __all__ = [
     "Coarsened",
@@ -41,6 +41,7 @@ __all__ = [
     "serial",
     "simulate",
     "simulate_shared",
+    "speedup_predictions",
     "validate",
     "width",
 ]

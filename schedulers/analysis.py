@@ -8,7 +8,7 @@ from schedulers.critical_path import bottom_levels
 from schedulers.schedule import check_dag, schedule, simulate_shared
 from schedulers.serial import serial
 
-__all__ = ["critical_path_length", "width", "predicted_speedups"]
+__all__ = ["critical_path_length", "width", "predicted_speedups", "speedup_predictions"]
 
 
 def critical_path_length(dag: nx.DiGraph) -> float:
@@ -51,11 +51,18 @@ def predicted_speedups(
     (such as `sync_cost`) go to the scheduler. A graph with no cost at all has
     speedup 1.
     """
+    return speedup_predictions(dag, max_streams, scheduler, **kw)["contention" if contention else "ideal"]
+
+
+def speedup_predictions(
+    dag: nx.DiGraph, max_streams: int = 8, scheduler: str = "critical_path", **kw: object
+) -> dict[str, dict[int, float]]:
+    """Return both of `predicted_speedups`' answers, ``"ideal"`` and ``"contention"``, from one set of schedules."""
     check_dag(dag, max_streams)
     base = serial(dag).makespan
-    speedups: dict[int, float] = {}
+    predictions: dict[str, dict[int, float]] = {"ideal": {}, "contention": {}}
     for k in range(1, max_streams + 1):
         planned = schedule(dag, k, scheduler, **kw)
-        span = simulate_shared(dag, planned) if contention else planned.makespan
-        speedups[k] = base / span if span > 0 else 1.0
-    return speedups
+        for kind, span in (("ideal", planned.makespan), ("contention", simulate_shared(dag, planned))):
+            predictions[kind][k] = base / span if span > 0 else 1.0
+    return predictions
