@@ -123,6 +123,50 @@ def private_output_strides() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def deferred_kernel_compiles() -> Iterator[None]:
+    """Let inductor compile the kernels of several graphs at once, waiting for them at the end.
+
+    Each graph inductor compiles submits its Triton (or C++) kernels to its
+    pool of compile workers, and its generated module waits for them when it
+    is loaded (``AsyncCompile.wait``). One call per segment would wait once
+    per segment, leaving the pool idle while the next segment is lowered; here
+    the waits are collected and run after the block, so the kernels of all
+    segments compile side by side, as the kernels of one whole graph do. No
+    segment runs before the block ends; a kernel that fails to compile raises
+    at the end of the block.
+    """
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError as exc:  # pragma: no cover
+        raise _compile_internal("torch._inductor.async_compile.AsyncCompile", exc) from exc
+    wait = AsyncCompile.__dict__.get("wait")
+    if wait is None:  # pragma: no cover - a torch without the hook: wait per graph, as inductor does
+        yield
+        return
+    pending: list[tuple[object, dict]] = []
+    AsyncCompile.wait = lambda compiler, scope: pending.append((compiler, scope))
+    try:
+        yield
+    finally:
+        AsyncCompile.wait = wait
+    for compiler, scope in pending:
+        wait(compiler, scope)
+
+
+def compile_phase_seconds() -> dict[str, float]:
+    """Seconds this process spent in each phase torch.compile times (dynamo, AOTAutograd, inductor, waits).
+
+    From ``torch._dynamo.utils.compilation_time_metrics``; empty where a torch
+    version lacks it. Phases nest, so they do not add up.
+    """
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover
+        return {}
+    return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
+
+
 def register_dynamo_backend(name: str, compiler_fn) -> None:
     """Register ``compiler_fn`` under ``name`` for ``torch.compile(backend=name)`` (idempotent)."""
     from torch._dynamo import list_backends, register_backend

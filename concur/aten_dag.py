@@ -56,6 +56,19 @@ class AtenCost:
         # A fused op adds its output traffic to a kernel and shares its launch with others.
         return 0.25 * roof.kernel_overhead_us + self.bytes_written / roof.bytes_per_us
 
+    def share(self, roof: Roofline) -> dict[str, float]:
+        """Fractions of the device's arithmetic and memory bandwidth the kernel keeps busy alone.
+
+        Its time at each resource's full rate over its whole predicted time (see
+        :func:`concur.cost.assign_costs`), for :func:`schedulers.simulate_shared`.
+        """
+        total = self.microseconds(roof)
+        if total <= 0:
+            return {}
+        bytes_moved = self.bytes_written if self.fused else self.bytes_read + self.bytes_written
+        return {"compute": min(1.0, self.flops / roof.flops_per_us / total),
+                "memory": min(1.0, bytes_moved / roof.bytes_per_us / total)}
+
 
 def is_unpack(node: fx.Node) -> bool:
     """Return True for ``operator.getitem`` of a multi-output op."""
@@ -128,13 +141,13 @@ def aten_cost(node: fx.Node) -> AtenCost:
 
 
 def build_aten_dag(graph: fx.Graph, roof: Roofline) -> nx.DiGraph:
-    """Return the DAG of ``graph``'s scheduled nodes with ``cost`` (µs), ``view``, ``heavy`` and ``target``."""
+    """Return the DAG of ``graph``'s scheduled nodes with ``cost`` (µs), ``share``, ``view``, ``heavy``, ``target``."""
     nodes = scheduled_nodes(graph)
     dag = nx.DiGraph()
     for n in nodes:
         cost = aten_cost(n)
-        dag.add_node(n.name, cost=cost.microseconds(roof), view=cost.is_view, heavy=not cost.fused,
-                     target=str(n.target))
+        dag.add_node(n.name, cost=cost.microseconds(roof), share=cost.share(roof), view=cost.is_view,
+                     heavy=not cost.fused, target=str(n.target))
     for n in nodes:
         for u in n.all_input_nodes:
             u = root(u)

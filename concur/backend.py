@@ -54,9 +54,10 @@ class BackendOptions:
     # another stream waits for, to save a segment (an inductor compilation). On the H100
     # (GoogLeNet bf16 b8, 5 launches) it did not shorten the compile: 181 vs 189 s.
     event_delay_launches: float = 0.0
-    # A graph whose schedule predicts less than this gain over one stream goes to inductor whole:
-    # segments cost inductor's cross-segment fusion, which a chain with few side branches cannot
-    # win back (ResNet-50 bf16 b8 on the H100: predicted 1.08x, measured 0.92x of torch.compile).
+    # A graph whose schedule predicts less than this gain over one stream, with kernels sharing the
+    # device (schedulers.simulate_shared), goes to inductor whole: segments cost inductor's
+    # cross-segment fusion, which a chain with few side branches cannot win back (ResNet-50 bf16
+    # b8 on the H100 measured 0.92x of torch.compile when cut). 1.0 cuts every branchy graph.
     min_predicted_speedup: float = 1.10
 
 
@@ -70,6 +71,8 @@ class CompiledGraphInfo:
     num_streams: int
     num_waits: int
     fallback_reason: str | None
+    ideal_speedup: float = 1.0
+    predicted_speedup: float = 1.0
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -83,9 +86,21 @@ def _roofline(options: BackendOptions, example_inputs: Sequence[Any]) -> Rooflin
     return roofline_for(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
 
-def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions
-               ) -> SegmentPlan | None:
-    """Return the verified segment plan of an aten graph, or None if it runs best on one stream.
+@dataclass(frozen=True)
+class GraphPlan:
+    """The backend's decision for one aten graph: segments on streams, or whole (``segments`` None)."""
+
+    segments: SegmentPlan | None
+    ideal_speedup: float = 1.0  # serial / scheduled makespan, each kernel as if alone on the device
+    predicted_speedup: float = 1.0  # the same with kernels sharing the device (schedulers.simulate_shared)
+
+
+def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> GraphPlan:
+    """Schedule an aten graph and return its verified segment plan, or whole if one stream is as good.
+
+    The gate uses the contention-aware prediction: on the H100 the
+    contention-free one called ResNet-50's graphs worth cutting, and the cut
+    graphs ran 0.92x of torch.compile.
 
     Raises:
         ValueError: the graph has symbolic shapes, or the plan is invalid (a concur bug).
@@ -96,28 +111,25 @@ def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backe
     roof = _roofline(options, example_inputs)
     dag = build_aten_dag(gm.graph, roof)
     if options.streams == 1 or dag.number_of_nodes() < 2:
-        return None
+        return GraphPlan(None)
     # schedule chains and fusion groups, not single pointwise ops (see schedulers.coarsen)
     # a segment must be worth the event that starts it: several kernel launches
     coarse = schedulers.coarsen(dag, min_cost=MIN_SEGMENT_LAUNCHES * roof.kernel_overhead_us)
     schedule = schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, options.streams,
                                                                   options.scheduler))
-    if schedule.num_streams == 1:
-        return None
-    if schedule.makespan > 0 and predicted_gain(dag, schedule) < options.min_predicted_speedup:
-        return None
+    if schedule.num_streams == 1 or schedule.makespan <= 0:
+        return GraphPlan(None)
+    serial_us = schedulers.serial(dag).makespan
+    ideal, predicted = serial_us / schedule.makespan, serial_us / schedulers.simulate_shared(dag, schedule)
+    if options.min_predicted_speedup > 1.0 and predicted < options.min_predicted_speedup:
+        return GraphPlan(None, ideal, predicted)
     delay = options.event_delay_launches * roof.kernel_overhead_us
     plan = partition(gm.graph, schedule, node_cost=lambda name: dag.nodes[name]["cost"] if name in dag else 0.0,
                      max_event_delay=delay)
     problems = schedulers.validate(dag, schedule) + verify(plan)
     if problems:
         raise ValueError(f"invalid plan (a concur bug, please report it): {problems[:3]}")
-    return plan
-
-
-def predicted_gain(dag, schedule: schedulers.Schedule) -> float:
-    """Serial time over the schedule's predicted makespan, on the DAG's fused-kernel costs."""
-    return schedulers.serial(dag).makespan / schedule.makespan
+    return GraphPlan(plan, ideal, predicted)
 
 
 class ConcurBackend:
@@ -148,41 +160,45 @@ class ConcurBackend:
     # -- per-graph compilation ----------------------------------------------------------------
 
     def _plan_or_reason(self, gm: fx.GraphModule, example_inputs: Sequence[Any]
-                        ) -> tuple[SegmentPlan | None, str | None]:
+                        ) -> tuple[GraphPlan, str | None]:
         try:
             return plan_graph(gm, example_inputs, self.options), None
         except Exception as exc:  # noqa: BLE001 - any failure here means: let inductor run it whole
-            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            return GraphPlan(None), f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
-    def _record(self, gm: fx.GraphModule, plan: SegmentPlan | None, is_backward: bool,
+    def _record(self, gm: fx.GraphModule, decision: GraphPlan, is_backward: bool,
                 reason: str | None) -> None:
+        plan = decision.segments
         if reason is not None:
             warnings.warn(f"concur backend: running a {'backward' if is_backward else 'forward'} graph "
                           f"as plain inductor output on one stream, because {reason}", stacklevel=2)
         self.graphs.append(CompiledGraphInfo(
             is_backward, sum(1 for n in gm.graph.nodes if n.op == "call_function"),
             len(plan.segments) if plan else 1, plan.num_streams if plan else 1,
-            sum(len(s.waits) for s in plan.segments) if plan else 0, reason))
+            sum(len(s.waits) for s in plan.segments) if plan else 0, reason,
+            decision.ideal_speedup, decision.predicted_speedup))
 
     def _compile_with_inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                                *args: Any, **kwargs: Any) -> Any:
         is_backward = bool(kwargs.get("is_backward", False))
-        plan, reason = self._plan_or_reason(gm, example_inputs)
+        decision, reason = self._plan_or_reason(gm, example_inputs)
+        plan = decision.segments
         if plan is None:
-            self._record(gm, None, is_backward, reason)
+            self._record(gm, decision, is_backward, reason)
             return compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
         # example value of every node a segment may read: graph inputs as given, others as traced
         examples = {n.name: n.meta.get("val") for n in gm.graph.nodes}
         examples.update(zip(plan.placeholders, example_inputs))
         static = {plan.placeholders[i] for i in kwargs.get("static_input_idxs", ())}
         try:
-            compiled = [self._inductor_segment(gm, segment, examples, static, args, kwargs)
-                        for segment in plan.segments]
+            with compat.deferred_kernel_compiles():  # the kernels of all segments compile side by side
+                compiled = [self._inductor_segment(gm, segment, examples, static, args, kwargs)
+                            for segment in plan.segments]
         except Exception as exc:  # noqa: BLE001 - a segment inductor rejects: compile the graph whole
-            self._record(gm, None, is_backward, f"inductor rejected a segment ({type(exc).__name__}: "
+            self._record(gm, GraphPlan(None), is_backward, f"inductor rejected a segment ({type(exc).__name__}: "
                                                f"{str(exc).splitlines()[0][:300]})")
             return compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
-        self._record(gm, plan, is_backward, None)
+        self._record(gm, decision, is_backward, None)
         return SegmentedCall(gm, plan, compiled)
 
     def _inductor_segment(self, gm: fx.GraphModule, segment: Segment, examples: dict[str, Any],
@@ -193,8 +209,9 @@ class ConcurBackend:
                                                  *args, **seg_kwargs)
 
     def _compile_eager(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool) -> Any:
-        plan, reason = self._plan_or_reason(gm, example_inputs)
-        self._record(gm, plan, is_backward, reason)
+        decision, reason = self._plan_or_reason(gm, example_inputs)
+        self._record(gm, decision, is_backward, reason)
+        plan = decision.segments
         if plan is None:
             return _boxed(gm)
         return SegmentedCall(gm, plan, [_boxed(segment_module(gm, s)) for s in plan.segments])

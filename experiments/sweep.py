@@ -292,6 +292,8 @@ def run_one(cfg: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     row["setup_s"] = time.perf_counter() - t0
+    if kind in COMPILING_MODES:  # where compile time goes: the largest of torch's own phase timers (s)
+        row["compile_phases_s"] = compile_phases_s()
     warmup, repeats = cfg.get("warmup", 5), cfg.get("repeats", 30)
     if cuda:
         monitor.mark("timed steps")
@@ -326,8 +328,15 @@ def run_one(cfg: dict) -> dict:
 
 def compiled_graphs(step: Any) -> list[dict]:
     """What the concur backend made of each forward and backward graph of a ``train_step(compile=True)``."""
-    return [dict(backward=g.is_backward, segments=g.num_segments, streams=g.num_streams, fallback=g.fallback_reason)
+    return [dict(backward=g.is_backward, segments=g.num_segments, streams=g.num_streams, fallback=g.fallback_reason,
+                 ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4))
             for backend in step.backends.values() for g in backend.graphs]
+
+
+def compile_phases_s(top: int = 8) -> dict[str, float]:
+    """The ``top`` longest compile phases torch timed in this process (nested phases overlap)."""
+    phases = sorted(compat.compile_phase_seconds().items(), key=lambda kv: -kv[1])[:top]
+    return {name: round(seconds, 2) for name, seconds in phases}
 
 
 def _row_or_error(cfg: dict) -> dict:

@@ -33,6 +33,9 @@ torchvision = pytest.importorskip("torchvision")
 # to be a segment (the merge threshold is a multiple of the overhead) and every op outweighs an
 # event wait, so their branches keep separate streams.
 NO_MERGE = Roofline("slow-no-overhead", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=0.0)
+# Tests of how graphs are cut turn the gate off: on these small CPU graphs every kernel would keep
+# the modelled device busy, so the contention-aware prediction says streams gain nothing.
+CUT_ALL = {"min_predicted_speedup": 1.0}
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +103,7 @@ def assert_concurrent(graphs: list[CompiledGraphInfo]) -> None:
 def test_torchvision_model_train_mode(name, size):
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None, aux_logits=False, init_weights=False).train()
-    backend = concur.backend(streams=4, segment_compiler="eager")
+    backend = concur.backend(streams=4, segment_compiler="eager", **CUT_ALL)
     compare_compiled(model, lambda: torch.randn(2, 3, size, size), backend, steps=1)
     assert_concurrent(backend.graphs)
 
@@ -110,7 +113,7 @@ def test_googlenet_with_delayed_events_has_fewer_backward_segments_and_equal_res
     model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False, dropout=0.0).train()
     counts = {}
     for delay in (0.0, 5.0):
-        backend = concur.backend(streams=4, segment_compiler="eager", event_delay_launches=delay)
+        backend = concur.backend(streams=4, segment_compiler="eager", event_delay_launches=delay, **CUT_ALL)
         compare_compiled(copy.deepcopy(model), lambda: torch.randn(2, 3, 64, 64), backend, steps=1)
         assert_concurrent(backend.graphs)
         counts[delay] = [g.num_segments for g in forward_and_backward(backend.graphs)]
@@ -121,14 +124,15 @@ def test_googlenet_with_delayed_events_has_fewer_backward_segments_and_equal_res
 @pytest.mark.parametrize("scheduler", ["critical_path", "fork"])
 def test_wide_net(scheduler):
     torch.manual_seed(0)
-    backend = concur.backend(streams=4, scheduler=scheduler, segment_compiler="eager", roofline=NO_MERGE)
+    backend = concur.backend(streams=4, scheduler=scheduler, segment_compiler="eager", roofline=NO_MERGE,
+                             **CUT_ALL)
     compare_compiled(WideNet(branches=6, channels=4), lambda: torch.randn(2, 3, 8, 8), backend)
     assert_concurrent(backend.graphs)
 
 
 def test_dropout_branches_draw_in_program_order():
     torch.manual_seed(0)
-    backend = concur.backend(streams=4, segment_compiler="eager", roofline=NO_MERGE)
+    backend = concur.backend(streams=4, segment_compiler="eager", roofline=NO_MERGE, **CUT_ALL)
     compare_compiled(DropoutBranches().train(), lambda: torch.randn(4, 16), backend, rtol=1e-6)
     assert_concurrent(backend.graphs)
 
@@ -138,7 +142,7 @@ def test_in_place_models(model_cls):
     # After functionalization their side branches are cheap pointwise work that reaches no heavy
     # kernel, so coarsen keeps them with the main chain: equality is what these guard.
     torch.manual_seed(0)
-    backend = concur.backend(streams=4, segment_compiler="eager", roofline=NO_MERGE)
+    backend = concur.backend(streams=4, segment_compiler="eager", roofline=NO_MERGE, **CUT_ALL)
     model = model_cls()
     compare_compiled(model, lambda: torch.randn(2, 3, 8, 8), backend, steps=3)
     assert all(g.fallback_reason is None for g in backend.graphs)
@@ -169,6 +173,18 @@ def test_a_graph_predicted_to_gain_little_is_compiled_whole(min_gain):
     assert all(g.fallback_reason is None for g in backend.graphs)  # a decision, not a failure
 
 
+def test_the_gate_counts_kernels_sharing_the_device():
+    # Six equal branches: alone on the device each would finish in parallel (ideal gain near the
+    # branch count), but on NO_MERGE every kernel keeps its bound resource busy, so together they
+    # run no faster than one after the other and the graph is compiled whole.
+    torch.manual_seed(0)
+    backend = concur.backend(streams=4, segment_compiler="eager", roofline=NO_MERGE)
+    compare_compiled(WideNet(branches=6, channels=4), lambda: torch.randn(2, 3, 8, 8), backend, steps=1)
+    for g in backend.graphs:
+        assert g.ideal_speedup > 1.5 and g.predicted_speedup < 1.1, g
+        assert (g.num_streams, g.num_segments, g.fallback_reason) == (1, 1, None), g
+
+
 def test_one_stream_is_the_whole_graph():
     torch.manual_seed(0)
     backend = concur.backend(streams=1, segment_compiler="eager")
@@ -185,12 +201,32 @@ def small_wide() -> nn.Module:
 
 
 def test_inductor_segments_equal_eager():
-    backend = concur.backend(streams=4, roofline=ROOFLINES["cpu"])
+    backend = concur.backend(streams=4, roofline=ROOFLINES["cpu"], **CUT_ALL)
     compare_compiled(small_wide(), lambda: torch.randn(4, 3, 8, 8), backend)
     fw, bw = forward_and_backward(backend.graphs)
     assert fw.fallback_reason is None and bw.fallback_reason is None
     assert fw.num_segments > 1 and fw.num_streams > 1 and fw.num_waits > 0, fw
     assert bw.num_segments > 1 and bw.num_streams > 1, bw
+
+
+def test_kernel_waits_run_once_the_segments_are_compiled(monkeypatch):
+    from torch._inductor.async_compile import AsyncCompile
+
+    from concur import _torch_compat as compat
+
+    waited: list[dict] = []
+    fake_wait = lambda compiler, scope: waited.append(scope)  # noqa: E731
+    monkeypatch.setattr(AsyncCompile, "wait", fake_wait)
+    compiler = object.__new__(AsyncCompile)
+    with compat.deferred_kernel_compiles():
+        compiler.wait({"segment": 0})
+        compiler.wait({"segment": 1})
+        assert waited == []  # not while segments are still being compiled
+    assert waited == [{"segment": 0}, {"segment": 1}] and AsyncCompile.wait is fake_wait
+    with pytest.raises(RuntimeError), compat.deferred_kernel_compiles():
+        compiler.wait({"segment": 2})
+        raise RuntimeError("inductor rejected a segment")
+    assert len(waited) == 2 and AsyncCompile.wait is fake_wait  # a failed compile waits for nothing
 
 
 class TwoBranches(nn.Module):
@@ -234,7 +270,7 @@ def test_dynamic_shapes_fall_back_with_one_warning_naming_why():
     torch.manual_seed(0)
     model = WideNet(branches=3, channels=4)
     reference = copy.deepcopy(model)
-    backend = concur.backend(streams=4, segment_compiler="eager")
+    backend = concur.backend(streams=4, segment_compiler="eager", **CUT_ALL)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with pytest.warns(UserWarning, match=r"dynamic \(symbolic\) shapes") as caught:
         out = compiled(torch.ones(2, 3, 8, 8))
