@@ -335,6 +335,8 @@ def compiled_graphs(step: Any) -> list[dict]:
 
 def compile_phases_s(top: int = 8) -> dict[str, float]:
     """The ``top`` longest compile phases torch timed in this process (nested phases overlap)."""
+    from concur import _torch_compat as compat
+
     phases = sorted(compat.compile_phase_seconds().items(), key=lambda kv: -kv[1])[:top]
     return {name: round(seconds, 2) for name, seconds in phases}
 
