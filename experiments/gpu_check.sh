@@ -47,6 +47,7 @@ for step in "$@"; do
              left=$(( ${DEADLINE:-585} - SECONDS - 15 ))  # stop in time to pack what finished
              timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume ${sweep_args//,/ } 2>&1 \
                | tee -a "$OUT/sweep.log" | grep -v "^W1\|Warning" | tail -6
+             pkill -f "experiments.sweep --(one|group)"  # children a timeout orphaned must not outlive the call
              tar czf "$OUT/sweep.tgz" --exclude=traces "$dir" ;;  # profiler traces stay behind (100+ MB)
     *) echo "unknown step $step" ;;
   esac

@@ -36,6 +36,8 @@ Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import csv
 import datetime
 import json
@@ -43,11 +45,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
@@ -217,7 +220,6 @@ def run_one(cfg: dict) -> dict:
 
     import concur
     from concur.monitor import Monitor, nvml_index
-    from concur.timing import time_cuda_ms, time_wall_ms
     from experiments.sweep_models import build
 
     row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok")
@@ -294,6 +296,29 @@ def run_one(cfg: dict) -> dict:
     row["setup_s"] = time.perf_counter() - t0
     if kind in COMPILING_MODES:  # where compile time goes: the largest of torch's own phase timers (s)
         row["compile_phases_s"] = compile_phases_s()
+    # with --compile-jobs N, children compile side by side but time one at a time
+    timing = exclusive_timing(cfg["gpu_lock"]) if cfg.get("gpu_lock") else contextlib.nullcontext()
+    with timing:
+        _time_steps(row, cfg, fn, cuda, monitor if cuda else None, before if cuda else 0)
+    if step is not None:
+        row["streams_requested"] = step.requested_streams
+        row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
+        if step.backends:
+            row["compiled_graphs"] = compiled_graphs(step)
+        if kind in CONCUR_MODES:
+            k = row["graph_streams"] or step.requested_streams
+            seen = concur.inspect(model, (x,), max_streams=max(k, 1))
+            row["predicted_speedup"] = seen.predicted_speedup.get(k)  # with contention (since 2026-11-23)
+            row["ideal_speedup"] = seen.ideal_speedup.get(k)
+    return row
+
+
+def _time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool, monitor: Any, before: int) -> None:
+    """Time ``fn`` (warm-up, then the median of repeats) and fill the row's time, utilization and memory."""
+    import torch
+
+    from concur.timing import time_cuda_ms, time_wall_ms
+
     warmup, repeats = cfg.get("warmup", 5), cfg.get("repeats", 30)
     if cuda:
         monitor.mark("timed steps")
@@ -313,17 +338,19 @@ def run_one(cfg: dict) -> dict:
     else:
         row["ms"], row["iqr_ms"] = time_wall_ms(fn, warmup, repeats)
         row["util_percent"] = row["peak_mb"] = None
-    if step is not None:
-        row["streams_requested"] = step.requested_streams
-        row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
-        if step.backends:
-            row["compiled_graphs"] = compiled_graphs(step)
-        if kind in CONCUR_MODES:
-            k = row["graph_streams"] or step.requested_streams
-            seen = concur.inspect(model, (x,), max_streams=max(k, 1))
-            row["predicted_speedup"] = seen.predicted_speedup.get(k)  # with contention (since 2026-11-23)
-            row["ideal_speedup"] = seen.ideal_speedup.get(k)
-    return row
+
+
+@contextlib.contextmanager
+def exclusive_timing(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path``: the one child of a sweep timing on the GPU right now."""
+    import fcntl
+
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def compiled_graphs(step: Any) -> list[dict]:
@@ -501,6 +528,9 @@ def make_configs(args: argparse.Namespace) -> list[dict]:
                         cfg["image_size"] = args.image_size
                     if mode.split(":")[0] in COMPILING_MODES:
                         cfg["compile_cache"] = "shared" if args.shared_compile_cache else "cold"
+                        if getattr(args, "compile_jobs", 1) > 1:  # setup_s is then not a lone compile
+                            cfg["compile_jobs"] = args.compile_jobs
+                            cfg["gpu_lock"] = str(Path(args.out) / ".gpu.lock")
                     for spec in args.inject_failure:
                         needle, _, how = spec.rpartition("=")
                         if needle == config_key(cfg):
@@ -526,11 +556,23 @@ def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tup
           file=sys.stderr, flush=True)
     meta = run_meta()
     progress = Progress(len(todo))
-    for group in group_configs(todo):
+    written = threading.Lock()
+
+    def run(group: list[dict]) -> None:
         for row in run_group_in_subprocess(group, timeout_s, meta):
-            with open(jsonl, "a") as f:  # appended at once: an interrupted sweep keeps every finished row
+            with written, open(jsonl, "a") as f:  # appended at once: an interrupted sweep keeps every finished row
                 f.write(json.dumps(row, default=str) + "\n")
-            progress.update(row["key"], row["status"] if row["status"] != "error" else "ERROR " + row["error"])
+                progress.update(row["key"], row["status"] if row["status"] != "error" else "ERROR " + row["error"])
+
+    groups = group_configs(todo)
+    side_by_side = [g for g in groups if g[0].get("gpu_lock")]
+    for group in groups:  # first whatever times alone, then the compiles that share the machine
+        if not group[0].get("gpu_lock"):
+            run(group)
+    if side_by_side:
+        with concurrent.futures.ThreadPoolExecutor(side_by_side[0][0]["compile_jobs"]) as pool:
+            for done in concurrent.futures.as_completed([pool.submit(run, g) for g in side_by_side]):
+                done.result()
     return read_rows(jsonl), len(todo)
 
 
@@ -612,8 +654,12 @@ def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
         status = r.get("status", "")
         ms = f"{r['ms']:.2f} ({r['iqr_ms']:.2f})" if r.get("ms") else ""
         lines.append(f"| {r['model']} | {r['precision']} | {r['batch']} | {r['mode']} | {status} | {ms} | "
-                     f"{num(r.get('setup_s'), '.1f')} | {num(r.get('peak_mb'), '.0f')} | "
+                     f"{num(r.get('setup_s'), '.1f')}{'*' if r.get('compile_jobs') else ''} | "
+                     f"{num(r.get('peak_mb'), '.0f')} | "
                      f"{num(r.get('util_percent'), '.0f')} | {num(r.get('predicted_speedup'), '.2f')} |")
+    if any(r.get("compile_jobs") for r in rows):
+        lines += ["", "\\* compiled beside other configurations (`--compile-jobs`): not a lone compile time; "
+                  "step times were measured alone."]
     best = best_speedups(rows)
     if best:
         lines += ["", "## Best concur mode vs best alternative", "",
@@ -752,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-compile-cache", action="store_true",
                         help="compiling modes reuse the caches in TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR "
                              "(faster reruns; their setup_s is then not a first compile). Default: empty caches")
+    parser.add_argument("--compile-jobs", type=int, default=1, metavar="N",
+                        help="run up to N compiling configurations at once; they compile side by side and "
+                             "time one at a time (a lock), so their setup_s is not a lone compile. Default 1")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, help="override every model's input size")
@@ -772,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
         return child_group_main(args.group)
     from experiments.sweep_models import DEFAULT_MODELS
 
+    if args.compile_jobs < 1:
+        parser.error(f"--compile-jobs must be at least 1, got {args.compile_jobs}")
     smoke = SMOKE if args.cpu_smoke else {}
     args.models = args.models or smoke.get("models") or DEFAULT_MODELS
     args.batches = args.batches or smoke.get("batches") or DEFAULT_BATCHES

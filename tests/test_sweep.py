@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import tempfile
+import threading
+import time
 import types
 
 import networkx as nx
@@ -217,3 +219,40 @@ def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path):
                       dict(branches=8, width=32, streams=8, predicted=3.0, measured=None)]
     path = scaling.plot(points, dict(date="d", gpu="g", driver="v", torch="t"), tmp_path / "scaling.png")
     assert path.exists()
+
+
+def test_compile_jobs_compile_side_by_side_after_the_rest(monkeypatch, tmp_path):
+    args = types.SimpleNamespace(precisions=["fp32"], models=["m"], batches=[8, 16],
+                                 modes=["eager", "compile", "fused:4"], repeats=1, util_seconds=0, warmup=0,
+                                 out=tmp_path, image_size=None, inject_failure=[], shared_compile_cache=False,
+                                 compile_jobs=2)
+    configs = sweep.make_configs(args)
+    assert [bool(c.get("gpu_lock")) for c in configs] == [False, True, True] * 2
+    running, events, lock = [], [], threading.Lock()
+
+    def fake_group(group, timeout_s, meta):
+        with lock:
+            running.append(group[0]["mode"])
+            events.append((group[0]["mode"], len(running)))
+        time.sleep(0.2)
+        with lock:
+            running.remove(group[0]["mode"])
+        return [dict(c, key=sweep.config_key(c), status="ok") for c in group]
+
+    monkeypatch.setattr(sweep, "run_group_in_subprocess", fake_group)
+    rows, launched = sweep.sweep(configs, tmp_path, resume=False, timeout_s=10)
+    assert launched == 6 and sorted(r["key"] for r in rows) == sorted(sweep.config_key(c) for c in configs)
+    assert [m for m, _ in events[:2]] == ["eager", "eager"]  # what times alone runs first, alone
+    assert max(n for m, n in events if m == "eager") == 1
+    assert max(n for m, n in events if m != "eager") == 2  # compiles overlap, two at a time
+
+
+def test_exclusive_timing_holds_the_gpu_lock(tmp_path):
+    import fcntl
+
+    path = tmp_path / ".gpu.lock"
+    with sweep.exclusive_timing(str(path)), open(path) as other:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path) as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
