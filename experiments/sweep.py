@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import csv
 import datetime
 import json
@@ -50,7 +49,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
@@ -253,6 +252,8 @@ def run_one(cfg: dict) -> dict:
                     bound_speedup=bound.bound_speedup, nodes_measured=bound.nodes_measured,
                     nodes_total=bound.nodes_total, trace=str(trace))
 
+    turn = GpuTurn(cfg.get("gpu_lock"))
+    turn.shared()  # with --compile-jobs N: compile and capture beside other children, time alone
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -296,10 +297,9 @@ def run_one(cfg: dict) -> dict:
     row["setup_s"] = time.perf_counter() - t0
     if kind in COMPILING_MODES:  # where compile time goes: the largest of torch's own phase timers (s)
         row["compile_phases_s"] = compile_phases_s()
-    # with --compile-jobs N, children compile side by side but time one at a time
-    timing = exclusive_timing(cfg["gpu_lock"]) if cfg.get("gpu_lock") else contextlib.nullcontext()
-    with timing:
-        _time_steps(row, cfg, fn, cuda, monitor if cuda else None, before if cuda else 0)
+    turn.exclusive()  # no other child's compile or capture runs kernels beside the timed steps
+    _time_steps(row, cfg, fn, cuda, monitor if cuda else None, before if cuda else 0)
+    turn.release()
     if step is not None:
         row["streams_requested"] = step.requested_streams
         row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
@@ -340,18 +340,39 @@ def _time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool, monito
         row["util_percent"] = row["peak_mb"] = None
 
 
-@contextlib.contextmanager
-def exclusive_timing(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_path``: the one child of a sweep timing on the GPU right now."""
-    import fcntl
+class GpuTurn:
+    """A file lock that lets sweep children compile side by side but time one at a time.
 
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    Compiling and capturing take it shared: they run kernels (autotuning, warm-up
+    steps) only now and then. Timing takes it exclusive, so no other child's
+    kernels run beside the timed steps. flock converts shared to exclusive by
+    dropping the shared lock first, so two children that finish compiling
+    together do not deadlock. Without a path it does nothing.
+    """
 
+    def __init__(self, path: str | None):
+        self._file = open(path, "a") if path else None
+
+    def _lock(self, how: int) -> None:
+        if self._file is not None:
+            import fcntl
+
+            fcntl.flock(self._file, how)
+
+    def shared(self) -> None:
+        import fcntl
+
+        self._lock(fcntl.LOCK_SH)
+
+    def exclusive(self) -> None:
+        import fcntl
+
+        self._lock(fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing drops the lock
+            self._file = None
 
 def compiled_graphs(step: Any) -> list[dict]:
     """What the concur backend made of each forward and backward graph of a ``train_step(compile=True)``."""
@@ -569,9 +590,12 @@ def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tup
     for group in groups:  # first whatever times alone, then the compiles that share the machine
         if not group[0].get("gpu_lock"):
             run(group)
-    if side_by_side:
-        with concurrent.futures.ThreadPoolExecutor(side_by_side[0][0]["compile_jobs"]) as pool:
-            for done in concurrent.futures.as_completed([pool.submit(run, g) for g in side_by_side]):
+    jobs = side_by_side[0][0]["compile_jobs"] if side_by_side else 1
+    # in waves: a child starting to compile while others wait to time would hold them up (GpuTurn)
+    for wave in range(0, len(side_by_side), jobs):
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            for done in concurrent.futures.as_completed([pool.submit(run, g)
+                                                         for g in side_by_side[wave:wave + jobs]]):
                 done.result()
     return read_rows(jsonl), len(todo)
 

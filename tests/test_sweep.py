@@ -247,12 +247,20 @@ def test_compile_jobs_compile_side_by_side_after_the_rest(monkeypatch, tmp_path)
     assert max(n for m, n in events if m != "eager") == 2  # compiles overlap, two at a time
 
 
-def test_exclusive_timing_holds_the_gpu_lock(tmp_path):
+def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
     import fcntl
 
-    path = tmp_path / ".gpu.lock"
-    with sweep.exclusive_timing(str(path)), open(path) as other:
+    path = str(tmp_path / ".gpu.lock")
+    first, second = sweep.GpuTurn(path), sweep.GpuTurn(path)
+    first.shared()
+    second.shared()  # two children compile side by side
+    with open(path) as probe:
         with pytest.raises(BlockingIOError):
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    with open(path) as other:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody times while they compile
+        second.release()
+        first.exclusive()
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # nor compiles while one times
+        first.release()
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    sweep.GpuTurn(None).exclusive()  # without --compile-jobs: no lock at all
