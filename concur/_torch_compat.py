@@ -167,6 +167,19 @@ def compile_phase_seconds() -> dict[str, float]:
     return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
 
 
+def inductor_optimizes_layout() -> bool:
+    """Return True if inductor may turn a convolution graph channels-last on its own (``layout_optimization``).
+
+    It decides per compiled graph, so a graph cut into segments that keep
+    their traced (NCHW) strides at the cuts converts layouts there.
+    """
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(getattr(config, "layout_optimization", False))
+
+
 def register_dynamo_backend(name: str, compiler_fn) -> None:
     """Register ``compiler_fn`` under ``name`` for ``torch.compile(backend=name)`` (idempotent)."""
     from torch._dynamo import list_backends, register_backend

@@ -185,6 +185,28 @@ def test_the_gate_counts_kernels_sharing_the_device():
         assert (g.num_streams, g.num_segments, g.fallback_reason) == (1, 1, None), g
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_cuda_graph_of_nchw_convolutions_is_compiled_whole_with_a_warning(channels_last, monkeypatch):
+    # Inductor makes a CUDA convolution graph channels-last as a whole; cut into segments that keep
+    # NCHW at the cuts it lost on the H100. The device check is faked: the graphs are the same.
+    backend_module = sys.modules["concur.backend"]  # `concur.backend` is also the function
+    monkeypatch.setattr(backend_module, "_device_of", lambda inputs: torch.device("cuda"))
+    torch.manual_seed(0)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).to(memory_format=layout)
+    backend = concur.backend(streams=4, segment_compiler="eager", roofline=ROOFLINES["cpu"], **CUT_ALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compare_compiled(model, lambda: torch.randn(2, 3, 64, 64).to(memory_format=layout), backend, steps=1)
+    warned = any("channels-last" in str(w.message) for w in caught)
+    if channels_last:
+        assert not warned
+        assert_concurrent(backend.graphs)
+    else:
+        assert warned
+        assert [(g.num_streams, g.fallback_reason) for g in backend.graphs] == [(1, None)] * 2
+
+
 def test_one_stream_is_the_whole_graph():
     torch.manual_seed(0)
     backend = concur.backend(streams=1, segment_compiler="eager")
