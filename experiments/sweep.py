@@ -59,6 +59,8 @@ CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead"
 CONCUR_MODES = ("eager_streams", "concur_graph", "fused", "fused_delayed")  # the rest: what a user has
 COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", "fused", "fused_delayed")  # a child each
 FUSED_DELAY_LAUNCHES = 5.0
+PRECISIONS = ("fp32", "bf16", "fp32-cl")  # bf16 = autocast + channels-last; fp32-cl = fp32, channels-last
+CHANNELS_LAST_PRECISIONS = ("bf16", "fp32-cl")
 DEFAULT_BATCHES = [8, 32, 64, 128]
 SMOKE = dict(models=["branchy:2x8", "nascell:8"], batches=[2], precisions=["fp32"],
              modes=["eager", "eager_streams:2", "serial_graph", "critical_path"], image_size=32, repeats=3)
@@ -237,7 +239,7 @@ def run_one(cfg: dict) -> dict:
     size = cfg.get("image_size") or size
     bf16 = cfg["precision"] == "bf16"
     amp_dtype = torch.bfloat16 if bf16 else None
-    layout = torch.channels_last if bf16 else torch.contiguous_format
+    layout = torch.channels_last if cfg["precision"] in CHANNELS_LAST_PRECISIONS else torch.contiguous_format
     model = model.to(device).train().to(memory_format=layout)
     x = torch.randn(cfg["batch"], 3, size, size, device=device).to(memory_format=layout)
     y = torch.randint(0, 1000, (cfg["batch"],), device=device)
@@ -813,8 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", metavar="JSON", help="internal: run a list of configurations, a row each")
     parser.add_argument("--models", nargs="+", help="default: torchvision three, branchy:8x64, branchy:4x128, nascell")
     parser.add_argument("--batches", nargs="+", type=int, help=f"default {DEFAULT_BATCHES}")
-    parser.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"],
-                        help="bf16 = bf16 autocast + channels-last model and inputs (default both)")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS,
+                        help="bf16 = bf16 autocast + channels-last model and inputs; fp32-cl = fp32 with a "
+                             "channels-last model and inputs (default fp32 bf16)")
     parser.add_argument("--modes", nargs="+", help=f"default: {' '.join(ALL_MODES)}")
     parser.add_argument("--out", type=Path, help="run directory (default experiments/results/<date>-<gpu>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out, skipping finished configs")
