@@ -17,7 +17,7 @@ import torchvision  # noqa: E402
 import concur  # noqa: E402
 from concur.runtime import StreamRuntime  # noqa: E402
 from tests.amp_loop import amp_recipe_loop  # noqa: E402
-from tests.conftest import compare_with_original, requires_cuda  # noqa: E402
+from tests.conftest import requires_cuda  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

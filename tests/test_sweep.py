@@ -264,3 +264,20 @@ def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
         first.release()
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
     sweep.GpuTurn(None).exclusive()  # without --compile-jobs: no lock at all
+
+
+def test_fp32_channels_last_precision_runs_the_model_channels_last(tmp_path, monkeypatch):
+    layouts = []
+
+    def spying_build(name):
+        model, size = build(name)
+        model.register_forward_pre_hook(lambda m, args: layouts.append(
+            args[0].is_contiguous(memory_format=torch.channels_last)))
+        return model, size
+
+    monkeypatch.setattr("experiments.sweep_models.build", spying_build)
+    for precision in ("fp32", "fp32-cl"):
+        row = sweep.run_one(dict(model="branchy:2x8", batch=2, precision=precision, mode="eager", repeats=1,
+                                 warmup=0, image_size=16, out=str(tmp_path)))
+        assert row["status"] == "ok", row
+    assert layouts[0] is False and layouts[-1] is True
