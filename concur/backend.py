@@ -275,8 +275,9 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *,
     ``event_delay_launches`` (experimental, default off) trades some
     concurrency for fewer segments, i.e. fewer inductor compilations: see
     :func:`concur.segments.partition`. A graph whose schedule predicts less
-    than ``min_predicted_speedup`` over one stream is compiled whole, exactly
-    as ``torch.compile`` would (use 1.0 to segment every branchy graph).
+    than ``min_predicted_speedup`` over one stream (kernels sharing the
+    device) is compiled whole, exactly as ``torch.compile`` would (use 1.0 to
+    segment every branchy graph); so is a CUDA graph of NCHW convolutions.
     """
     if event_delay_launches < 0:
         raise ValueError(f"event_delay_launches must be >= 0, got {event_delay_launches!r}")
