@@ -39,6 +39,7 @@ import argparse
 import concurrent.futures
 import csv
 import datetime
+import fcntl
 import json
 import os
 import subprocess
@@ -357,18 +358,12 @@ class GpuTurn:
 
     def _lock(self, how: int) -> None:
         if self._file is not None:
-            import fcntl
-
             fcntl.flock(self._file, how)
 
     def shared(self) -> None:
-        import fcntl
-
         self._lock(fcntl.LOCK_SH)
 
     def exclusive(self) -> None:
-        import fcntl
-
         self._lock(fcntl.LOCK_EX)
 
     def release(self) -> None:
