@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from .annotate import RNG, tensors_in
-from .cost import Roofline
+from .cost import Roofline, resource_shares
 from .graph import hazard_edges
 
 
@@ -62,12 +62,9 @@ class AtenCost:
         Its time at each resource's full rate over its whole predicted time (see
         :func:`concur.cost.assign_costs`), for :func:`schedulers.simulate_shared`.
         """
-        total = self.microseconds(roof)
-        if total <= 0:
-            return {}
         bytes_moved = self.bytes_written if self.fused else self.bytes_read + self.bytes_written
-        return {"compute": min(1.0, self.flops / roof.flops_per_us / total),
-                "memory": min(1.0, bytes_moved / roof.bytes_per_us / total)}
+        return resource_shares({"compute": self.flops / roof.flops_per_us, "memory": bytes_moved / roof.bytes_per_us},
+                               self.microseconds(roof))
 
 
 def is_unpack(node: fx.Node) -> bool:

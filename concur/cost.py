@@ -94,6 +94,13 @@ class MeasuredCost:
         return resource_us(facts) if resource_us else {}
 
 
+def resource_shares(resource_us: Mapping[str, float], cost_us: float) -> dict[str, float]:
+    """Fraction of each resource an op of total time ``cost_us`` keeps busy: its time at full rate over its time."""
+    if cost_us <= 0:
+        return {}
+    return {resource: min(1.0, t / cost_us) for resource, t in resource_us.items()}
+
+
 def assign_costs(dag: nx.DiGraph, model: CostModel) -> None:
     """Set the ``cost`` (µs) and ``share`` attributes of every DAG node from ``model``.
 
@@ -108,5 +115,4 @@ def assign_costs(dag: nx.DiGraph, model: CostModel) -> None:
     resource_us = getattr(model, "resource_us", None)
     for name, data in dag.nodes(data=True):
         data["cost"] = cost = model.node_cost(name, data["facts"])
-        needs = resource_us(data["facts"]) if resource_us and cost > 0 else {}
-        data["share"] = {resource: min(1.0, t / cost) for resource, t in needs.items()}
+        data["share"] = resource_shares(resource_us(data["facts"]), cost) if resource_us and cost > 0 else {}

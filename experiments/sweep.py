@@ -371,6 +371,7 @@ class GpuTurn:
             self._file.close()  # closing drops the lock
             self._file = None
 
+
 def compiled_graphs(step: Any) -> list[dict]:
     """What the concur backend made of each forward and backward graph of a ``train_step(compile=True)``."""
     return [dict(backward=g.is_backward, segments=g.num_segments, streams=g.num_streams, fallback=g.fallback_reason,
