@@ -8,6 +8,7 @@ message instead of a silent wrong result somewhere deep in concur.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import torch
@@ -152,6 +153,38 @@ def deferred_kernel_compiles() -> Iterator[None]:
         AsyncCompile.wait = wait
     for compiler, scope in pending:
         wait(compiler, scope)
+
+
+def inductor_wrapper(compiled: object) -> tuple[str, dict, object | None]:
+    """Return (module source, module globals, bound ``self`` or None) of a compiled graph's ``call``.
+
+    ``compiled`` is what ``compile_fx_inner`` returns (a ``CompiledFxGraph``);
+    its ``current_callable`` is the generated module's ``call`` unless inductor
+    wrapped it (input realignment, cudagraphs), in which case concur leaves it
+    alone.
+
+    Raises:
+        ValueError: the output is not a plain generated ``call`` (the graph then runs as inductor made it).
+    """
+    fn = getattr(compiled, "current_callable", None)
+    raw = getattr(fn, "__func__", fn)
+    namespace = getattr(raw, "__globals__", None)
+    if fn is None or namespace is None or getattr(raw, "__name__", "") != "call":
+        raise ValueError(f"inductor's output calls {getattr(raw, '__name__', type(fn).__name__)!r}, not its "
+                         "generated call function (it wrapped it)")
+    path = namespace.get("__file__")
+    source = getattr(compiled, "source_code", None)
+    if path and os.path.exists(path):
+        with open(path) as f:
+            source = f.read()
+    if not source:
+        raise ValueError("inductor's output keeps no source code")
+    return source, namespace, getattr(fn, "__self__", None)
+
+
+def replace_inductor_call(compiled: object, call) -> None:
+    """Make a compiled graph run ``call`` (boxed: one list argument) instead of its generated one."""
+    compiled.current_callable = call
 
 
 def compile_phase_seconds() -> dict[str, float]:

@@ -38,10 +38,14 @@ import schedulers
 from . import _torch_compat as compat
 from .aten_dag import build_aten_dag
 from .cost import Roofline, roofline_for
+from .kernel_streams import place_kernels
 from .segments import Segment, SegmentedCall, SegmentPlan, partition, segment_module, verify
 
 SEGMENT_COMPILERS = ("inductor", "eager")
+STRATEGIES = ("kernels", "segments")
 MIN_SEGMENT_LAUNCHES = 5
+# default gate per strategy (BackendOptions.min_predicted_speedup); see its comment
+DEFAULT_MIN_PREDICTED_SPEEDUP = {"segments": 1.30, "kernels": 1.0}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class BackendOptions:
     streams: int = 4
     scheduler: str = "critical_path"
     segment_compiler: str = "inductor"
+    # "kernels": inductor compiles each graph whole, then its launches are put on streams
+    # (concur.kernel_streams); "segments": the graph is cut per stream and each piece compiled.
+    # segment_compiler="eager" always runs segments (there are no inductor kernels to place).
+    strategy: str = "kernels"
     roofline: Roofline | None = None  # default: from the device of the graph's inputs
     # Experimental, off: how many kernel launches' worth of work a segment may run past an op
     # another stream waits for, to save a segment (an inductor compilation). On the H100
@@ -61,8 +69,15 @@ class BackendOptions:
     # boundaries and the prediction does not count that. Set from the H100 (bf16, fused / compile
     # + graph, predicted forward/backward): GoogLeNet b8 1.23x (1.76/1.74), b32 1.15x (1.32/1.35),
     # b64 0.91x (1.20/1.25); Inception-v3 b64 0.87x (1.14/1.17); ResNet-50 b8 0.92x when cut
-    # (1.05/1.07). 1.0 cuts every branchy graph.
-    min_predicted_speedup: float = 1.30
+    # (1.05/1.07). 1.0 cuts every branchy graph. None: the strategy's default
+    # (DEFAULT_MIN_PREDICTED_SPEEDUP; "kernels" loses no fusion, so it needs no margin).
+    min_predicted_speedup: float | None = None
+
+    @property
+    def gate(self) -> float:
+        if self.min_predicted_speedup is not None:
+            return self.min_predicted_speedup
+        return DEFAULT_MIN_PREDICTED_SPEEDUP[self.strategy if self.segment_compiler == "inductor" else "segments"]
 
 
 @dataclass(frozen=True)
@@ -71,12 +86,14 @@ class CompiledGraphInfo:
 
     is_backward: bool
     num_ops: int
-    num_segments: int
+    num_segments: int  # segments; for the "kernels" strategy, kernel launches
     num_streams: int
     num_waits: int
     fallback_reason: str | None
     ideal_speedup: float = 1.0
     predicted_speedup: float = 1.0
+    strategy: str = "segments"
+    num_barriers: int = 0  # "kernels": launches concur could not read, ordered after and before all others
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -152,7 +169,7 @@ def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backe
         return GraphPlan(None)
     serial_us = schedulers.serial(dag).makespan
     ideal, predicted = serial_us / schedule.makespan, serial_us / schedulers.simulate_shared(dag, schedule)
-    if options.min_predicted_speedup > 1.0 and predicted < options.min_predicted_speedup:
+    if options.gate > 1.0 and predicted < options.gate:
         return GraphPlan(None, ideal, predicted)
     delay = options.event_delay_launches * roof.kernel_overhead_us
     plan = partition(gm.graph, schedule, node_cost=lambda name: dag.nodes[name]["cost"] if name in dag else 0.0,
@@ -172,6 +189,8 @@ class ConcurBackend:
                              f"got {options.segment_compiler!r}")
         if isinstance(options.streams, bool) or not isinstance(options.streams, int) or options.streams < 1:
             raise ValueError(f"streams must be a positive int, got {options.streams!r}")
+        if options.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {options.strategy!r}")
         if options.scheduler not in schedulers.SCHEDULERS:
             raise ValueError(f"unknown scheduler {options.scheduler!r}; choose one of "
                              f"{sorted(schedulers.SCHEDULERS)}")
@@ -198,13 +217,13 @@ class ConcurBackend:
             return GraphPlan(None), f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
 
     def _record(self, gm: fx.GraphModule, decision: GraphPlan, is_backward: bool,
-                reason: str | None) -> None:
+                reason: str | None, num_ops: int | None = None) -> None:
         plan = decision.segments
         if reason is not None:
             warnings.warn(f"concur backend: running a {'backward' if is_backward else 'forward'} graph "
                           f"as plain inductor output on one stream, because {reason}", stacklevel=2)
         self.graphs.append(CompiledGraphInfo(
-            is_backward, sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            is_backward, num_ops if num_ops is not None else sum(1 for n in gm.graph.nodes if n.op == "call_function"),
             len(plan.segments) if plan else 1, plan.num_streams if plan else 1,
             sum(len(s.waits) for s in plan.segments) if plan else 0, reason,
             decision.ideal_speedup, decision.predicted_speedup))
@@ -212,6 +231,8 @@ class ConcurBackend:
     def _compile_with_inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                                *args: Any, **kwargs: Any) -> Any:
         is_backward = bool(kwargs.get("is_backward", False))
+        if self.options.strategy == "kernels":
+            return self._compile_then_place(gm, example_inputs, is_backward, args, kwargs)
         decision, reason = self._plan_or_reason(gm, example_inputs)
         plan = decision.segments
         if plan is None:
@@ -231,6 +252,39 @@ class ConcurBackend:
             return compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
         self._record(gm, decision, is_backward, None)
         return SegmentedCall(gm, plan, compiled)
+
+    def _compile_then_place(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool,
+                            args: tuple, kwargs: dict) -> Any:
+        """Compile the graph whole with inductor, then put its kernel launches on streams."""
+        o = self.options
+        if compat.has_symbolic_shapes(list(example_inputs)):
+            compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+            self._record(gm, GraphPlan(None), is_backward, "the graph has dynamic (symbolic) shapes; concur "
+                         "schedules static shapes only (compile with dynamic=False)")
+            return compiled
+        roof = _roofline(o, example_inputs)
+        node_costs = {}
+        if o.streams > 1:  # costs come from the fx graph, which inductor's post-grad passes rewrite in place
+            dag = build_aten_dag(gm.graph, roof)
+            node_costs = {v: (dag.nodes[v]["cost"], dag.nodes[v]["share"]) for v in dag}
+        num_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        if o.streams == 1:
+            self._record(gm, GraphPlan(None), is_backward, None, num_ops)
+            return compiled
+        try:
+            placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.gate)
+        except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
+            self._record(gm, GraphPlan(None), is_backward, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                         num_ops)
+            return compiled
+        plan = placed.plan
+        self.graphs.append(CompiledGraphInfo(is_backward, num_ops, plan.num_launches,
+                                             plan.num_streams if placed.installed else 1,
+                                             plan.num_waits if placed.installed else 0, None,
+                                             plan.ideal_speedup, plan.predicted_speedup, "kernels",
+                                             plan.num_barriers))
+        return compiled
 
     def _inductor_segment(self, gm: fx.GraphModule, segment: Segment, examples: dict[str, Any],
                           static: set[str], args: tuple, kwargs: dict) -> Callable:
@@ -266,25 +320,33 @@ def _boxed(gm: fx.GraphModule) -> Callable[[list], Any]:
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *,
             segment_compiler: str = "inductor", roofline: Roofline | None = None,
-            event_delay_launches: float = 0.0, min_predicted_speedup: float = 1.30) -> ConcurBackend:
+            event_delay_launches: float = 0.0, min_predicted_speedup: float | None = None,
+            strategy: str = "kernels") -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
     ``torch.compile(model, backend=concur.backend(streams=4))``; the name
-    ``"concur"`` is the same with defaults. ``segment_compiler="eager"`` skips
-    inductor and runs segments as fx code (for tests and debugging).
+    ``"concur"`` is the same with defaults.
+
+    ``strategy="kernels"`` (default) lets inductor compile each graph whole
+    and then issues its kernel launches on streams (:mod:`concur.kernel_streams`):
+    fusion and layout are exactly ``torch.compile``'s. ``strategy="segments"``
+    cuts each graph per stream and compiles the pieces (:mod:`concur.segments`);
     ``event_delay_launches`` (experimental, default off) trades some
-    concurrency for fewer segments, i.e. fewer inductor compilations: see
-    :func:`concur.segments.partition`. A graph whose schedule predicts less
-    than ``min_predicted_speedup`` over one stream (kernels sharing the
-    device) is compiled whole, exactly as ``torch.compile`` would (use 1.0 to
-    segment every branchy graph); so is a CUDA graph of NCHW convolutions.
+    concurrency for fewer segments there. ``segment_compiler="eager"`` skips
+    inductor and runs segments as fx code (for tests and debugging).
+
+    A graph whose schedule predicts less than ``min_predicted_speedup`` over
+    one stream (kernels sharing the device) runs on one stream, exactly as
+    ``torch.compile`` would; None takes the strategy's default
+    (:data:`DEFAULT_MIN_PREDICTED_SPEEDUP`). With segments, so does a CUDA
+    graph of NCHW convolutions.
     """
     if event_delay_launches < 0:
         raise ValueError(f"event_delay_launches must be >= 0, got {event_delay_launches!r}")
-    if min_predicted_speedup < 1.0:
+    if min_predicted_speedup is not None and min_predicted_speedup < 1.0:
         raise ValueError(f"min_predicted_speedup must be >= 1.0, got {min_predicted_speedup!r}")
-    return ConcurBackend(BackendOptions(streams, scheduler, segment_compiler, roofline, event_delay_launches,
-                                        min_predicted_speedup))
+    return ConcurBackend(BackendOptions(streams, scheduler, segment_compiler, strategy, roofline,
+                                        event_delay_launches, min_predicted_speedup))
 
 
 def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -106,3 +106,11 @@ class StreamRuntime:
         if self.active and self._streams:
             torch.cuda.set_stream(self._streams[0])
             self._current = 0
+
+    def protect(self, value: Any, streams: tuple[int, ...]) -> None:
+        """Protect the tensors in ``value`` from reuse until the given streams' queued work is done."""
+        if self.active:
+            for t in tensors_in(value):
+                if t.is_cuda:
+                    for index in streams:
+                        t.record_stream(self._streams[index])

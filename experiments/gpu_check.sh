@@ -5,6 +5,7 @@
 #   tests          GPU tests of the runtime and tuner (tests/test_gpu.py, tests/test_gpu_tuner.py)
 #   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
 #   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3)
+#   wrappers       copy a few of inductor's generated wrappers (python files with a call function) to $OUT
 #   zoo-giants     the two largest torchvision models on the CPU (they need >23 GB of RAM), in the background
 #   bench          bench_train.py: the README's runtime table (3 models, all batches, 2/4/8 streams)
 #   quick          bench_train.py on GoogLeNet and Inception-v3, batch 8 and 64
@@ -32,6 +33,8 @@ for step in "$@"; do
                | tee "$OUT/gpu_fused_${step#fused:}.log" | grep -v "^W1\|Warning" | tail -8 ;;
     csan:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#csan:}" 2>&1 \
                | tee "$OUT/gpu_csan_${step#csan:}.log" | tail -5 ;;
+    wrappers) grep -rl --include=*.py "def call(" .cache/inductor 2>/dev/null | head -40 \
+                | tar czf "$OUT/wrappers.tgz" -T - ;;
     zoo-giants) CUDA_VISIBLE_DEVICES= timeout 560 python3 -m pytest -q -p no:cacheprovider -m zoo_full \
                   tests/test_zoo.py -k "vit_h_14 or regnet_y_128gf" --durations=0 > "$OUT/zoo_giants.log" 2>&1 & ;;
     bench) python3 experiments/bench_train.py --repeats 20 --streams 2 4 8 --out "$OUT/bench_train.json" 2>&1 \

@@ -16,7 +16,10 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
                         torch.compiler.cudagraph_mark_step_begin() before each step
     fused:K             concur's torch.compile backend on K streams + whole-step graph
-    fused_delayed:K     the same with event_delay_launches=5 (experimental: fewer segments,
+                        (strategy "kernels": inductor's kernels placed on streams after fusion;
+                        rows before 2026-11-23 17:00 UTC used "segments", see compiled_graphs)
+    fused_segments:K    the same with strategy "segments" (each graph cut per stream, pieces compiled)
+    fused_delayed:K     segments with event_delay_launches=5 (experimental: fewer segments,
                         so fewer inductor compilations, for slightly later events)
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
@@ -55,11 +58,12 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
-CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", "fused", "fused_delayed",
-              "critical_path")
-CONCUR_MODES = ("eager_streams", "concur_graph", "fused", "fused_delayed")  # the rest: what a user has
-COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", "fused", "fused_delayed")  # a child each
-FUSED_DELAY_LAUNCHES = 5.0
+FUSED_MODES = ("fused", "fused_segments", "fused_delayed")
+CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", *FUSED_MODES, "critical_path")
+CONCUR_MODES = ("eager_streams", "concur_graph", *FUSED_MODES)  # the rest: what a user has
+COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES)  # a child each
+FUSED_OPTIONS = {"fused": None, "fused_segments": {"strategy": "segments"},
+                 "fused_delayed": {"strategy": "segments", "event_delay_launches": 5.0}}
 PRECISIONS = ("fp32", "bf16", "fp32-cl")  # bf16 = autocast + channels-last; fp32-cl = fp32, channels-last
 CHANNELS_LAST_PRECISIONS = ("bf16", "fp32-cl")
 DEFAULT_BATCHES = [8, 32, 64, 128]
@@ -288,9 +292,8 @@ def run_one(cfg: dict) -> dict:
     else:  # every concur path goes through train_step, as experiments/bench_train.py does
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
-                                 compile=kind in ("compile_graph", "fused", "fused_delayed"), amp_dtype=amp_dtype,
-                                 compile_options={"event_delay_launches": FUSED_DELAY_LAUNCHES}
-                                 if kind == "fused_delayed" else None)
+                                 compile=kind == "compile_graph" or kind in FUSED_MODES, amp_dtype=amp_dtype,
+                                 compile_options=FUSED_OPTIONS.get(kind))
 
         def fn() -> None:
             step(x, y)
@@ -374,7 +377,8 @@ class GpuTurn:
 
 def compiled_graphs(step: Any) -> list[dict]:
     """What the concur backend made of each forward and backward graph of a ``train_step(compile=True)``."""
-    return [dict(backward=g.is_backward, segments=g.num_segments, streams=g.num_streams, fallback=g.fallback_reason,
+    return [dict(backward=g.is_backward, strategy=g.strategy, segments=g.num_segments, streams=g.num_streams,
+                 waits=g.num_waits, barriers=g.num_barriers, fallback=g.fallback_reason,
                  ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4))
             for backend in step.backends.values() for g in backend.graphs]
 

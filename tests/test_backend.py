@@ -223,7 +223,7 @@ def small_wide() -> nn.Module:
 
 
 def test_inductor_segments_equal_eager():
-    backend = concur.backend(streams=4, roofline=ROOFLINES["cpu"], **CUT_ALL)
+    backend = concur.backend(streams=4, roofline=ROOFLINES["cpu"], strategy="segments", **CUT_ALL)
     compare_compiled(small_wide(), lambda: torch.randn(4, 3, 8, 8), backend)
     fw, bw = forward_and_backward(backend.graphs)
     assert fw.fallback_reason is None and bw.fallback_reason is None

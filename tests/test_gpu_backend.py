@@ -45,6 +45,7 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name):
         results[streams], updates[streams] = _train_noting_first_update(model, opt, batches, step)
         if streams == 4:
             infos = step.backends[4].graphs
+            print(name, *infos, sep="\n  ")
             assert all(i.fallback_reason is None for i in infos), infos
             assert max(i.num_streams for i in infos) > 1, "the fused graphs must use several streams"
         torch._dynamo.reset()

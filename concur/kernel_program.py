@@ -1,0 +1,418 @@
+"""Read inductor's generated wrapper as a program of kernel launches and the storages each touches.
+
+After fusion, inductor emits one Python module per graph whose ``call``
+function launches the fused kernels one after another on one stream::
+
+    buf0 = empty_strided_cuda((8, 64, 28, 28), (50176, 1, 1792, 64), torch.float32)
+    buf1 = extern_kernels.convolution(primals_3, primals_1, stride=(1, 1), ...)
+    triton_poi_fused_relu_0.run(buf1, primals_2, buf0, 401408, stream=stream0)
+    del buf1
+
+This module turns that body into :class:`Statement` s, each with the storage
+*groups* it reads and writes (a group is one allocation: ``buf9 = buf5  #
+reuse`` and ``reinterpret_tensor(buf5, ...)`` stay in ``buf5``'s group), so
+:mod:`concur.kernel_streams` can issue the launches on several streams
+without touching the kernels, their layouts or their fusion.
+
+What a launch writes comes from the kernel itself, never from guessing:
+triton kernels name written pointers ``out_ptr*`` / ``in_out_ptr*`` (and list
+others in ``mutated_arg_names``); C++ kernels take ``const`` pointers for
+inputs; extern kernels write their ``out=``; aten fallbacks follow their
+schema (``Tensor(a!)``), and ops tagged ``nondeterministic_seeded`` also
+write the random generator, so draws keep their order. A statement this
+module does not understand becomes a *barrier* ordered after and before
+everything, which is slow but never wrong.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .annotate import RNG
+
+WORLD = "<world>"  # read by every launch, written by barriers
+
+_ALLOCATORS = {"empty_strided_cuda", "empty_strided_cpu", "empty_strided_xpu", "empty_strided",
+               "empty_strided_p2p"}
+_VIEWS = {"reinterpret_tensor", "as_strided", "alias"}
+_HOST_CHECKS = {"assert_size_stride", "assert_size_stride_grouped", "assert_tensor_metadata",
+                "assert_alignment", "check_alignment", "set_device"}  # host-side only: no kernel
+_STREAM_GETTERS = {"get_raw_stream"}
+
+
+@dataclass
+class Statement:
+    """One statement of the wrapper body, with what it needs and what it touches."""
+
+    index: int                      # position in the original body
+    node: ast.stmt
+    kind: str                       # "launch", "barrier", "host", "del", "stream" (a raw-stream lookup)
+    uses: frozenset[str]            # names read
+    binds: frozenset[str]           # names (re)bound
+    reads: frozenset[str] = frozenset()    # storage groups a launch reads
+    writes: frozenset[str] = frozenset()   # storage groups a launch writes
+    origins: tuple[str, ...] = ()   # fx nodes inductor lists in the comment above ("Source Nodes")
+    groups: frozenset[str] = frozenset()   # storage groups of every name used or bound
+    fresh: frozenset[str] = frozenset()    # groups this statement allocates (their home stream is its stream)
+    bind_group: str | None = None   # the group of the name it binds (assignments)
+
+    @property
+    def is_launch(self) -> bool:
+        return self.kind in ("launch", "barrier")
+
+
+@dataclass
+class KernelProgram:
+    """The ``call`` function of an inductor wrapper, with its schedulable body parsed."""
+
+    function: ast.FunctionDef
+    body: list[ast.stmt]            # the list that is rescheduled (a device guard's body, or the function's)
+    start: int                      # body[start:end] are the statements; the rest stays in place
+    end: int
+    statements: list[Statement]
+    inputs: tuple[str, ...]         # names unpacked from ``args``
+    outputs: tuple[str, ...]        # names in the return statement
+    guarded: bool                   # the body is a device guard's (``with torch.cuda._DeviceGuard(0):``)
+
+    @property
+    def launches(self) -> list[Statement]:
+        return [s for s in self.statements if s.is_launch]
+
+
+class UnsupportedWrapper(ValueError):
+    """The wrapper's shape is not one concur can reschedule; the graph then runs as inductor made it."""
+
+
+# -- kernels defined at the wrapper's top level ------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """Parameter names of a compiled kernel, and which of them it writes."""
+
+    params: tuple[str, ...]
+    written: frozenset[str]
+
+
+_MUTATED = re.compile(r"['\"]mutated_arg_names['\"]\s*:\s*\[([^\]]*)\]")
+
+
+def _triton_signature(source: str) -> KernelSignature | None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef)), None)
+    if fn is None:
+        return None
+    params = tuple(a.arg for a in fn.args.args)
+    mutated = set()
+    match = _MUTATED.search(source)
+    if match:
+        mutated = {m.strip().strip("'\"") for m in match.group(1).split(",") if m.strip()}
+    written = {p for p in params if p.startswith(("out_ptr", "in_out_ptr"))} | (mutated & set(params))
+    return KernelSignature(params, frozenset(written))
+
+
+def kernel_signatures(module_source: str) -> dict[str, KernelSignature]:
+    """Return the signature of every kernel the wrapper module compiles (triton and C++)."""
+    tree = ast.parse(module_source)
+    found: dict[str, KernelSignature] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)):
+            continue
+        name, call = node.targets[0].id, node.value
+        how = call.func.attr
+        if how == "triton" and len(call.args) >= 2 and isinstance(call.args[1], ast.Constant):
+            sig = _triton_signature(str(call.args[1].value))
+            if sig is not None:
+                found[name] = sig
+        elif how == "cpp_pybinding" and call.args and isinstance(call.args[0], (ast.List, ast.Tuple)):
+            types = [str(e.value) for e in call.args[0].elts if isinstance(e, ast.Constant)]
+            params = tuple(f"arg{i}" for i in range(len(types)))
+            written = {p for p, t in zip(params, types) if "*" in t and "const" not in t}
+            found[name] = KernelSignature(params, frozenset(written))
+    return found
+
+
+# -- the call function -------------------------------------------------------------------------
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _stored(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _resolve(dotted: str, namespace: Mapping[str, Any]) -> Any:
+    head, *rest = dotted.split(".")
+    value = namespace.get(head)
+    for atom in rest:
+        if value is None:
+            return None
+        value = getattr(value, atom, None)
+    return value
+
+
+def find_call_function(module_source: str) -> ast.FunctionDef:
+    """Return the ``call`` function of a wrapper module (top level, or a method of its ``Runner``)."""
+    tree = ast.parse(module_source)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "call":
+            return node
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "call":
+                    return item
+    raise UnsupportedWrapper("the wrapper module has no call function")
+
+
+def _schedulable_body(fn: ast.FunctionDef) -> tuple[list[ast.stmt], int, int]:
+    """Return (statement list, start, end) of the region to reschedule."""
+    guards = [s for s in fn.body if isinstance(s, ast.With)]
+    if len(guards) > 1:
+        raise UnsupportedWrapper(f"the call function has {len(guards)} device guards")
+    if guards:
+        body = guards[0].body
+        start = 0
+    else:
+        body = fn.body
+        clears = [i for i, s in enumerate(body) if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                  and _dotted(s.value.func) == "args.clear"]
+        start = clears[0] + 1 if clears else 0
+    end = len(body)
+    if end > start and isinstance(body[end - 1], ast.Return):
+        end -= 1
+    if any(isinstance(s, ast.Return) for s in body[start:end]):
+        raise UnsupportedWrapper("a return statement in the middle of the call function")
+    return body, start, end
+
+
+def _inputs(fn: ast.FunctionDef) -> tuple[str, ...]:
+    for s in fn.body:
+        if isinstance(s, ast.Assign) and isinstance(s.value, ast.Name) and s.value.id == "args":
+            target = s.targets[0]
+            if isinstance(target, (ast.Tuple, ast.List)):
+                return tuple(e.id for e in target.elts if isinstance(e, ast.Name))
+            if isinstance(target, ast.Name):
+                return (target.id,)
+    return ()
+
+
+def _outputs(fn: ast.FunctionDef) -> tuple[str, ...]:
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    return tuple(sorted(set().union(*(_names(r.value) for r in returns)))) if returns else ()
+
+
+_ORIGINS = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")
+
+
+def _attach_origins(statements: list["Statement"], lines: list[str]) -> None:
+    """Give each launch the fx nodes of the last "Source Nodes" comment between it and the launch before.
+
+    Inductor writes the comment above a kernel's launch, sometimes with the
+    raw-stream lookup or allocations in between.
+    """
+    comments = [(i + 1, tuple(x.strip() for x in m.group(1).split(",") if x.strip()))
+                for i, line in enumerate(lines) for m in [_ORIGINS.search(line)] if m]
+    previous = 0
+    for s in statements:
+        if not s.is_launch:
+            continue
+        found = [names for lineno, names in comments if previous < lineno < s.node.lineno]
+        if found:
+            s.origins = found[-1]
+        previous = s.node.lineno
+
+
+class _Groups:
+    """Which storage group each name holds, in program order."""
+
+    def __init__(self, inputs: tuple[str, ...]):
+        self.of: dict[str, str] = {name: name for name in inputs}
+        self.counter = 0
+
+    def fresh(self, name: str) -> str:
+        self.counter += 1
+        group = f"{name}#{self.counter}"
+        self.of[name] = group
+        return group
+
+    def get(self, name: str) -> str | None:
+        return self.of.get(name)
+
+
+def parse_wrapper(module_source: str, namespace: Mapping[str, Any]) -> KernelProgram:
+    """Parse an inductor wrapper module into a :class:`KernelProgram`.
+
+    ``namespace`` is the loaded module's globals: it resolves kernel objects
+    and aten ops (for their schemas).
+
+    Raises:
+        UnsupportedWrapper: the call function's shape is not one this parser knows.
+    """
+    fn = find_call_function(module_source)
+    lines = module_source.splitlines()
+    signatures = kernel_signatures(module_source)
+    body, start, end = _schedulable_body(fn)
+    inputs = _inputs(fn)
+    groups = _Groups(inputs)
+    for s in body[:start]:  # names bound before the region (inputs, or a guard's prologue)
+        for name in _stored(s):
+            groups.of.setdefault(name, name)
+    if body is not fn.body:
+        for s in fn.body:
+            for name in ([] if isinstance(s, ast.With) else _stored(s)):
+                groups.of.setdefault(name, name)
+    statements = []
+    for offset, node in enumerate(body[start:end]):
+        statements.extend(_classify(start + offset, node, groups, signatures, namespace, ()))
+    _attach_origins(statements, lines)
+    return KernelProgram(fn, body, start, end, statements, inputs, _outputs(fn), body is not fn.body)
+
+
+def _group_set(names: set[str], groups: _Groups) -> set[str]:
+    return {g for g in (groups.get(n) for n in names) if g is not None}
+
+
+def _classify(index: int, node: ast.stmt, groups: _Groups, signatures: dict[str, KernelSignature],
+              namespace: Mapping[str, Any], origins: tuple[str, ...]) -> list[Statement]:
+    uses = _names(node)
+    if isinstance(node, ast.Delete):
+        return [Statement(index, ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del())]), "del", frozenset({n}),
+                          frozenset(), groups=frozenset(_group_set({n}, groups)))
+                for t in node.targets for n in sorted(_stored(t))]
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        target, value = node.targets[0].id, node.value
+        func = _dotted(value.func) if isinstance(value, ast.Call) else None
+        if func is not None and func.split(".")[-1] in _STREAM_GETTERS:
+            return [Statement(index, node, "stream", frozenset(uses), frozenset({target}))]
+        source: str | None = None
+        if isinstance(value, ast.Name):
+            source = value.id
+        elif isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name):
+            source = value.value.id
+        elif func is not None and func.split(".")[-1] in _VIEWS and value.args and isinstance(value.args[0], ast.Name):
+            source = value.args[0].id
+        if source is not None and groups.get(source) is not None:  # an alias: same storage, no kernel
+            group = groups.get(source)
+            groups.of[target] = group
+            return [Statement(index, node, "host", frozenset(uses), frozenset({target}), groups=frozenset({group}),
+                              bind_group=group)]
+        if func is not None and func.split(".")[-1] in _ALLOCATORS:
+            group = groups.fresh(target)
+            return [Statement(index, node, "host", frozenset(uses), frozenset({target}), groups=frozenset({group}),
+                              fresh=frozenset({group}), bind_group=group)]
+        if isinstance(value, ast.Call):
+            return [_launch(index, node, value, target, groups, signatures, namespace, origins)]
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        func = _dotted(node.value.func)
+        if func is not None and func.split(".")[-1] in _HOST_CHECKS:
+            return [Statement(index, node, "host", frozenset(uses), frozenset(),
+                              groups=frozenset(_group_set(uses, groups)))]
+        return [_launch(index, node, node.value, None, groups, signatures, namespace, origins)]
+    return [_barrier(index, node, groups, origins)]
+
+
+def _barrier(index: int, node: ast.stmt, groups: _Groups, origins: tuple[str, ...]) -> Statement:
+    uses, binds = _names(node), _stored(node)
+    touched = _group_set(uses, groups) | {WORLD}
+    fresh = {groups.fresh(name) for name in binds}
+    return Statement(index, node, "barrier", frozenset(uses), frozenset(binds), frozenset(touched),
+                     frozenset(touched | fresh), origins, frozenset((touched | fresh) - {WORLD}), frozenset(fresh),
+                     next(iter(fresh)) if len(fresh) == 1 else None)
+
+
+def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, groups: _Groups,
+            signatures: dict[str, KernelSignature], namespace: Mapping[str, Any],
+            origins: tuple[str, ...]) -> Statement:
+    """Classify a call: a known kernel launch with exact accesses, or a barrier."""
+    uses = _names(node)
+    func = _dotted(call.func)
+    reads: set[str] = set()
+    writes: set[str] = set()
+    output_alias: str | None = None
+    if func is None:
+        return _barrier(index, node, groups, origins)
+    kernel_name = func[:-len(".run")] if func.endswith(".run") else func
+    signature = signatures.get(kernel_name)
+    op = _resolve(func, namespace)
+    if signature is not None:
+        if len(call.args) > len(signature.params):
+            return _barrier(index, node, groups, origins)
+        pairs = list(zip(signature.params, call.args))
+        pairs += [(k.arg, k.value) for k in call.keywords if k.arg in signature.params]
+        for param, arg in pairs:
+            touched = _group_set(_names(arg), groups)
+            reads |= touched
+            if param in signature.written:
+                writes |= touched
+    elif func.startswith("extern_kernels."):
+        reads = _group_set(uses, groups)
+        out = next((k.value for k in call.keywords if k.arg == "out"), None)
+        if out is not None:
+            writes = _group_set(_names(out), groups)
+    elif isinstance(op, torch._ops.OpOverload):
+        reads = _group_set(uses, groups)
+        schema = op._schema
+        bound = _bind_schema(schema, call)
+        for arg in schema.arguments:
+            info = arg.alias_info
+            if info is not None and info.is_write and arg.name in bound:
+                writes |= _group_set(_names(bound[arg.name]), groups)
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            reads.add(RNG)
+            writes.add(RNG)
+        ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+        if ret is not None:
+            source = next((bound[a.name] for a in schema.arguments if a.alias_info is not None
+                           and a.alias_info.before_set == ret.before_set and a.name in bound), None)
+            aliased = _group_set(_names(source), groups) if source is not None else set()
+            if len(aliased) != 1:
+                return _barrier(index, node, groups, origins)
+            output_alias = next(iter(aliased))
+    else:
+        return _barrier(index, node, groups, origins)
+    reads.add(WORLD)
+    binds: set[str] = set()
+    fresh: set[str] = set()
+    group = None
+    if target is not None:
+        binds = {target}
+        if output_alias is not None:
+            group = groups.of[target] = output_alias
+        else:
+            group = groups.fresh(target)
+            fresh.add(group)
+            writes.add(group)
+    touched = reads | writes | _group_set(uses | binds, groups)
+    return Statement(index, node, "launch", frozenset(uses), frozenset(binds), frozenset(reads),
+                     frozenset(writes), origins, frozenset(touched - {WORLD, RNG}), frozenset(fresh), group)
+
+
+def _bind_schema(schema: torch.FunctionSchema, call: ast.Call) -> dict[str, ast.AST]:
+    bound: dict[str, ast.AST] = {}
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    for arg, value in zip(positional, call.args):
+        bound[arg.name] = value
+    for k in call.keywords:
+        if k.arg is not None:
+            bound[k.arg] = k.value
+    return bound

@@ -1,0 +1,320 @@
+"""Issue inductor's fused kernels on several streams, after fusion, without recompiling anything.
+
+Inductor compiles a graph *whole* (so fusion and layout are decided once, as
+``backend="inductor"`` would), and concur then rewrites only the order and the
+streams of the launches in the generated ``call`` function:
+
+1. :mod:`concur.kernel_program` lists the launches with the storage groups
+   each reads and writes; read/write conflicts give the dependency DAG;
+2. the DAG, costed from the fx nodes inductor names above each launch
+   (:mod:`concur.aten_dag`), is scheduled by the same :mod:`schedulers` as
+   every other path;
+3. host statements (allocations, aliases, shape checks) go right before the
+   first launch that touches their storage, on its stream (an allocation's
+   stream is where the caching allocator will reuse it), and each ``del`` right
+   after the last statement naming it;
+4. a storage used on a stream other than the one it was allocated on is
+   protected with ``record_stream`` when its name dies, as in
+   :mod:`concur.runtime`.
+
+:func:`plan_emission` is pure (data in, data out); :func:`build_call` turns the
+plan into a Python function in the wrapper's own namespace, so the kernels,
+autotuned configs and constants are the ones inductor already made.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import itertools
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import networkx as nx
+
+import schedulers
+
+from . import _torch_compat as compat
+from .cost import Roofline
+from .graph import hazard_edges
+from .kernel_program import KernelProgram, Statement, parse_wrapper
+from .runtime import StreamRuntime
+
+_MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launches (an event each way)
+
+
+@dataclass(frozen=True)
+class Emit:
+    """One step of the rewritten call: a statement, or a stream operation of :class:`StreamRuntime`."""
+
+    op: str                        # "stmt", "switch", "wait", "record", "protect"
+    statement: Statement | None = None
+    index: int = 0                 # stream for switch, event for wait/record
+    name: str = ""                 # protect: the tensor's name
+    streams: tuple[int, ...] = ()  # protect: the streams to record
+
+
+@dataclass(frozen=True)
+class KernelStreamPlan:
+    """The rescheduled launches of one inductor graph."""
+
+    steps: tuple[Emit, ...]
+    protect_at_end: tuple[tuple[str, tuple[int, ...]], ...]
+    num_streams: int
+    num_events: int
+    num_waits: int
+    num_launches: int
+    num_barriers: int
+    ideal_speedup: float
+    predicted_speedup: float
+
+
+def launch_dag(program: KernelProgram, node_costs: Mapping[str, tuple[float, dict]],
+               default_cost: float) -> nx.DiGraph:
+    """Return the DAG of the program's launches (nodes: statement index) with ``cost`` and ``share``.
+
+    A launch costs what the fx nodes listed above it cost once fused (each
+    node counted once); a launch naming none costs ``default_cost`` (a launch).
+    """
+    dag = nx.DiGraph()
+    claimed: set[str] = set()
+    for s in program.launches:
+        mine = [o for o in s.origins if o in node_costs and o not in claimed]
+        claimed.update(mine)
+        cost = sum(node_costs[o][0] for o in mine) or default_cost
+        share = max((node_costs[o] for o in mine), key=lambda c: c[0], default=(0.0, {}))[1]
+        dag.add_node(s.index, cost=cost, share=share, view=False, heavy=True, barrier=s.kind == "barrier")
+    for u, v in hazard_edges((s.index, s.reads, s.writes) for s in program.launches):
+        dag.add_edge(u, v)
+    return dag
+
+
+def schedule_launches(dag: nx.DiGraph, streams: int, scheduler: str, min_cost: float) -> schedulers.Schedule:
+    """Schedule the launch DAG, in clusters worth a stream switch (see :func:`schedulers.coarsen`)."""
+    coarse = schedulers.coarsen(dag, min_cost=min_cost)
+    return schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, streams, scheduler))
+
+
+def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph) -> KernelStreamPlan:
+    """Return the rewritten call as steps: launches in schedule order, host statements placed around them.
+
+    Raises:
+        ValueError: the result would use a name before binding it or after deleting it (a concur bug).
+    """
+    launches = {s.index: s for s in program.launches}
+    position = {v: i for i, v in enumerate(schedule.order)}
+    end = len(schedule.order)
+    events = {}
+    for w in schedule.waits:
+        events.setdefault(w.producer, len(events))
+    waits_of: dict[Any, list[int]] = {}
+    for w in schedule.waits:
+        waits_of.setdefault(w.consumer, []).append(events[w.producer])
+
+    # where each host statement goes: before the launch at anchor[i] (-1: at the start, end: after all)
+    anchor: dict[int, int] = {}
+    binder_position: dict[str, int] = {}  # name -> issue position after which it is bound
+    ordered = sorted(program.statements, key=lambda s: s.index)
+    for s in ordered:
+        if s.is_launch:
+            for name in s.binds:
+                binder_position[name] = position[s.index] + 1
+            continue
+        if s.kind != "host":
+            continue
+        if not s.groups and not (s.uses & set(binder_position)):
+            anchor[s.index] = -1
+            continue
+        ready = max((binder_position.get(n, 0) for n in s.uses), default=0)
+        later = [position[k.index] for k in program.launches
+                 if k.index > s.index and k.groups & s.groups and position[k.index] >= ready]
+        anchor[s.index] = min(later, default=end)
+        for name in s.binds:
+            binder_position[name] = max(anchor[s.index], 0)
+
+    hosts_at: dict[int, list[Statement]] = {}
+    for s in ordered:
+        if s.index in anchor:
+            hosts_at.setdefault(anchor[s.index], []).append(s)
+
+    # the sequence without dels, with the stream each statement runs on
+    sequence: list[tuple[Statement, int]] = [(s, 0) for s in hosts_at.get(-1, [])]
+    for v in schedule.order:
+        stream = schedule.stream[v]
+        sequence += [(s, stream) for s in hosts_at.get(position[v], [])]
+        sequence.append((launches[v], stream))
+    sequence += [(s, 0) for s in hosts_at.get(end, [])]
+
+    dels = [s for s in ordered if s.kind == "del"]
+    last_use: dict[str, int] = {}
+    for i, (s, _) in enumerate(sequence):
+        for name in s.uses | s.binds:
+            last_use[name] = i
+    dels_after: dict[int, list[Statement]] = {}
+    for d in dels:
+        (name,) = tuple(d.uses)
+        dels_after.setdefault(last_use.get(name, -1), []).append(d)
+
+    steps: list[Emit] = []
+    home: dict[str, int] = {}
+    touched: dict[str, set[int]] = {}
+    current = 0
+
+    def release(d: Statement) -> None:
+        (name,) = tuple(d.uses)
+        others = tuple(sorted(t for g in d.groups for t in touched.get(g, ()) if t != home.get(g, 0)))
+        if others:
+            steps.append(Emit("protect", name=name, streams=others))
+        steps.append(Emit("stmt", d))
+
+    for d in dels_after.get(-1, []):
+        release(d)
+    for i, (s, stream) in enumerate(sequence):
+        if stream != current:
+            steps.append(Emit("switch", index=stream))
+            current = stream
+        if s.is_launch:
+            steps += [Emit("wait", index=e) for e in waits_of.get(s.index, [])]
+        steps.append(Emit("stmt", s))
+        for g in s.fresh:
+            home[g] = stream
+        if s.is_launch:
+            for g in s.groups | s.reads | s.writes:
+                touched.setdefault(g, set()).add(stream)
+            if s.index in events:
+                steps.append(Emit("record", index=events[s.index]))
+        for d in dels_after.get(i, []):
+            release(d)
+
+    deleted = {n for d in dels for n in d.uses}
+    group_of = {name: name for name in program.inputs}
+    for s, _ in sequence:
+        for name in s.binds:
+            group_of[name] = s.bind_group
+    at_end = []
+    for name in sorted(set(group_of) - deleted):
+        g = group_of[name]
+        others = tuple(sorted(t for t in touched.get(g, ()) if t != home.get(g, 0))) if g else ()
+        if others:
+            at_end.append((name, others))
+    _check_names(program, steps)
+    barriers = sum(1 for s in program.launches if s.kind == "barrier")
+    serial_us = schedulers.serial(dag).makespan
+    ideal = serial_us / schedule.makespan if schedule.makespan > 0 else 1.0
+    shared = schedulers.simulate_shared(dag, schedule)
+    predicted = serial_us / shared if shared > 0 else 1.0
+    return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(events), len(schedule.waits),
+                            len(launches), barriers, ideal, predicted)
+
+
+def _check_names(program: KernelProgram, steps: list[Emit]) -> None:
+    local = set(program.inputs)
+    for s in program.statements:
+        local |= s.binds
+    # names bound before the region (inputs, a prologue's) are bound from the start, and so are the
+    # raw-stream lookups, which build_call repeats at the start and after every stream switch
+    bound = {n for n in local if not any(n in s.binds for s in program.statements if s.kind != "stream")}
+    for step in steps:
+        s = step.statement
+        if step.op == "protect":
+            if step.name not in bound:
+                raise ValueError(f"record_stream on {step.name} after it was deleted")
+            continue
+        if s is None:
+            continue
+        missing = (s.uses & local) - bound
+        if missing:
+            raise ValueError(f"statement {s.index} would use {sorted(missing)} unbound")
+        if s.kind == "del":
+            bound -= s.uses
+        else:
+            bound |= s.binds
+
+
+_counter = itertools.count()
+
+
+def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
+               bound_to: Any = None) -> tuple[Callable, StreamRuntime]:
+    """Return the rewritten ``call`` (a function in the wrapper's ``namespace``) and its stream runtime."""
+    runtime = StreamRuntime(plan.num_streams, plan.num_events)
+    rt_name = f"_concur_streams_{next(_counter)}"
+    namespace[rt_name] = runtime
+    stream_lookups = [s.node for s in program.statements if s.kind == "stream"]
+
+    def rt(method: str, *args: ast.expr) -> ast.stmt:
+        return ast.Expr(ast.Call(func=ast.Attribute(value=ast.Name(rt_name, ast.Load()), attr=method, ctx=ast.Load()),
+                                 args=list(args), keywords=[]))
+
+    def names(items) -> list[ast.expr]:
+        return [ast.Name(n, ast.Load()) for n in items]
+
+    region: list[ast.stmt] = [rt("fork", *names(program.inputs)), *copy.deepcopy(stream_lookups)]
+    for step in plan.steps:
+        if step.op == "stmt":
+            region.append(copy.deepcopy(step.statement.node))
+        elif step.op == "switch":
+            region.append(rt("switch", ast.Constant(step.index)))
+            region += copy.deepcopy(stream_lookups)
+        elif step.op in ("wait", "record"):
+            region.append(rt(step.op, ast.Constant(step.index)))
+        elif step.op == "protect":
+            region.append(rt("protect", ast.Name(step.name, ast.Load()),
+                             ast.Tuple([ast.Constant(i) for i in step.streams], ast.Load())))
+    for name, streams in plan.protect_at_end:
+        region.append(rt("protect", ast.Name(name, ast.Load()),
+                         ast.Tuple([ast.Constant(i) for i in streams], ast.Load())))
+    region.append(rt("join", *names(program.outputs)))
+    guarded = ast.Try(body=region, handlers=[ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name=None,
+                                                               body=[rt("abort"), ast.Raise()])],
+                      orelse=[], finalbody=[])
+
+    fn = copy.deepcopy(program.function)
+    fn.name = f"{rt_name}_call"
+    fn.decorator_list = []
+    body = next(s for s in fn.body if isinstance(s, ast.With)).body if program.guarded else fn.body
+    body[program.start:program.end] = [guarded]
+    module = ast.Module(body=[fn], type_ignores=[])
+    ast.fix_missing_locations(module)
+    exec(compile(module, f"<concur streams over {namespace.get('__file__', 'inductor output')}>", "exec"), namespace)
+    call = namespace[fn.name]
+    if bound_to is not None:
+        call = types.MethodType(call, bound_to)
+    return call, runtime
+
+
+@dataclass(frozen=True)
+class PlacedKernels:
+    """What :func:`place_kernels` did: the plan, and whether the compiled graph now runs it."""
+
+    plan: KernelStreamPlan | None
+    installed: bool
+
+
+def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int,
+                  scheduler: str, min_predicted_speedup: float = 1.0) -> PlacedKernels:
+    """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
+
+    The graph keeps running inductor's own call when the schedule uses one
+    stream or predicts less than ``min_predicted_speedup`` (kernels sharing
+    the device).
+
+    Raises:
+        ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
+    """
+    source, namespace, bound_to = compat.inductor_wrapper(compiled)
+    program = parse_wrapper(source, namespace)
+    if len(program.launches) < 2:
+        return PlacedKernels(None, False)
+    dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
+    schedule = schedule_launches(dag, streams, scheduler, _MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
+    problems = schedulers.validate(dag, schedule)
+    if problems:
+        raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
+    plan = plan_emission(program, schedule, dag)
+    if plan.num_streams == 1 or (min_predicted_speedup > 1.0 and plan.predicted_speedup < min_predicted_speedup):
+        return PlacedKernels(plan, False)
+    call, _ = build_call(program, plan, namespace, bound_to)
+    compat.replace_inductor_call(compiled, call)
+    return PlacedKernels(plan, True)

@@ -1,0 +1,283 @@
+"""Tests for placing inductor's kernels on streams after fusion (concur.kernel_program, concur.kernel_streams).
+
+A hand-written wrapper in the shape inductor emits for CUDA (triton
+launches, extern convolutions, buffer reuse, views, an in-place random op, a
+call nobody knows) checks what each launch reads and writes, the dependency
+DAG, where allocations and ``del`` s go, and that the rewritten ``call`` runs
+its statements in an order that keeps every dependency. One small branchy
+model then goes through inductor on the CPU and must train like eager.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import schedulers
+from concur.kernel_program import WORLD, parse_wrapper
+from concur.kernel_streams import Emit, _check_names, build_call, launch_dag, plan_emission
+
+WRAPPER = """
+import torch
+triton_poi_fused_relu_0 = async_compile.triton('triton_poi_fused_relu_0', '''
+@triton_heuristics.pointwise(size_hints={'x': 2048}, inductor_meta={'mutated_arg_names': ['in_out_ptr0']})
+@triton.jit
+def triton_poi_fused_relu_0(in_out_ptr0, in_ptr0, xnumel, XBLOCK : tl.constexpr):
+    pass
+''', device_str='cuda')
+
+triton_poi_fused_cat_1 = async_compile.triton('triton_poi_fused_cat_1', '''
+@triton.jit
+def triton_poi_fused_cat_1(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    pass
+''', device_str='cuda')
+
+def call(args):
+    primals_1, primals_2, primals_3 = args
+    args.clear()
+    with torch.cuda._DeviceGuard(0):
+        torch.cuda.set_device(0)
+        # Topologically Sorted Source Nodes: [conv_a], Original ATen: [aten.convolution]
+        buf0 = extern_kernels.convolution(primals_3, primals_1, stride=(1, 1))
+        assert_size_stride(buf0, (2, 4), (4, 1))
+        # Topologically Sorted Source Nodes: [conv_b], Original ATen: [aten.convolution]
+        buf1 = extern_kernels.convolution(primals_3, primals_2, stride=(1, 1))
+        buf2 = buf0; del buf0  # reuse
+        # Topologically Sorted Source Nodes: [relu_a, add], Original ATen: [aten.relu]
+        stream0 = get_raw_stream(0)
+        triton_poi_fused_relu_0.run(buf2, primals_3, 8, stream=stream0)
+        buf3 = empty_strided_cuda((2, 8), (8, 1), torch.float32)
+        buf4 = reinterpret_tensor(buf3, (2, 4), (8, 1), 0)  # alias
+        triton_poi_fused_cat_1.run(buf1, buf4, 8, stream=stream0)
+        del buf1
+        buf5 = reinterpret_tensor(buf3, (2, 4), (8, 1), 4)  # alias
+        triton_poi_fused_cat_1.run(buf2, buf5, 8, stream=stream0)
+        del buf2
+        buf6 = torch.ops.aten.bernoulli_.float(buf3, 0.5)
+        mystery(buf6)
+    return (buf3, buf6, )
+"""
+
+
+@pytest.fixture
+def program():
+    return parse_wrapper(WRAPPER, {"torch": torch})
+
+
+def by_code(program, text):
+    """The statement whose source starts with ``text``."""
+    import ast
+
+    (s,) = [s for s in program.statements if ast.unparse(s.node).startswith(text)]
+    return s
+
+
+def test_launches_read_and_write_what_the_kernels_say(program):
+    conv_a = by_code(program, "buf0 = extern_kernels.convolution")
+    conv_b = by_code(program, "buf1 = extern_kernels.convolution")
+    relu = by_code(program, "triton_poi_fused_relu_0.run")
+    cat_b, cat_a = [s for s in program.launches if "cat_1" in str(s.uses)]
+    bernoulli = by_code(program, "buf6 = torch.ops.aten.bernoulli_")
+    mystery = by_code(program, "mystery")
+    group0, group1 = conv_a.bind_group, conv_b.bind_group
+    assert conv_a.kind == "launch" and conv_a.writes == {group0} and {"primals_3", "primals_1"} <= conv_a.reads
+    assert conv_a.origins == ("conv_a",) and relu.origins == ("relu_a", "add")
+    assert relu.writes == {group0}  # in_out_ptr0 is buf2, which reuses buf0's storage
+    assert "primals_3" in relu.reads and "primals_3" not in relu.writes
+    group3 = by_code(program, "buf3 = empty_strided_cuda").bind_group
+    assert cat_b.writes == {group3} and group1 in cat_b.reads  # out_ptr0 is a view of buf3
+    assert cat_a.writes == {group3} and group0 in cat_a.reads
+    assert bernoulli.writes == {group3, "rng"} and bernoulli.bind_group == group3  # in place, returns self
+    assert mystery.kind == "barrier" and WORLD in mystery.writes
+    assert by_code(program, "stream0 = get_raw_stream").kind == "stream"
+    assert program.guarded and program.inputs == ("primals_1", "primals_2", "primals_3")
+    assert program.outputs == ("buf3", "buf6")
+
+
+def test_dependency_dag_keeps_every_conflict(program):
+    dag = launch_dag(program, {"conv_a": (10.0, {}), "conv_b": (20.0, {}), "relu_a": (1.0, {})}, default_cost=0.5)
+    index = {name: by_code(program, text).index for name, text in [
+        ("conv_a", "buf0 = extern"), ("conv_b", "buf1 = extern"), ("relu", "triton_poi_fused_relu_0"),
+        ("bernoulli", "buf6 ="), ("mystery", "mystery")]}
+    cat_b, cat_a = [s.index for s in program.launches if "cat_1" in str(s.uses)]
+    assert dag.nodes[index["conv_b"]]["cost"] == 20.0 and dag.nodes[index["relu"]]["cost"] == 1.0
+    assert dag.nodes[cat_a]["cost"] == 0.5  # no comment above it: one launch
+    reach = {v: set(nx_descendants(dag, v)) for v in dag}
+    assert index["relu"] in reach[index["conv_a"]]
+    assert cat_b in reach[index["conv_b"]] and cat_a in reach[index["relu"]]
+    assert cat_a in reach[cat_b] or cat_b in reach[cat_a]  # both write buf3's storage
+    assert index["bernoulli"] in reach[cat_a] and index["bernoulli"] in reach[cat_b]
+    assert all(index["mystery"] in reach[v] for v in dag if v != index["mystery"])
+    assert index["conv_b"] not in reach[index["conv_a"]] and index["conv_a"] not in reach[index["conv_b"]]
+
+
+def nx_descendants(dag, v):
+    import networkx as nx
+
+    return nx.descendants(dag, v)
+
+
+def two_stream_schedule(program, dag):
+    """conv_b and cat_b on stream 1, the rest on stream 0, conv_b issued first."""
+    conv_b = by_code(program, "buf1 = extern").index
+    cat_b = [s.index for s in program.launches if "cat_1" in str(s.uses)][0]
+    order = [conv_b] + [v for v in sorted(dag) if v != conv_b]
+    stream = {v: 1 if v in (conv_b, cat_b) else 0 for v in dag}
+    schedule = schedulers.build_schedule(dag, order, stream, "test")
+    assert not schedulers.validate(dag, schedule)
+    return schedule
+
+
+def test_emission_places_allocations_and_protects_cross_stream_storage(program):
+    dag = launch_dag(program, {}, default_cost=1.0)
+    plan = plan_emission(program, two_stream_schedule(program, dag), dag)
+    steps = [(s.op, s.index if s.op != "stmt" else _code(s)) for s in plan.steps]
+    # the first launch is conv_b on the caller's stream after renumbering; its output buf1 is read by cat_b
+    assert plan.num_streams == 2 and plan.num_waits >= 1
+    alloc = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and _code(s).startswith("buf3 = empty"))
+    cat = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and "cat_1.run(buf1" in _code(s))
+    assert alloc < cat
+    stream_at = {}
+    current = 0
+    for i, s in enumerate(plan.steps):
+        current = s.index if s.op == "switch" else current
+        stream_at[i] = current
+    assert stream_at[alloc] == stream_at[cat]  # allocated on the stream that first writes it
+    # streams are renumbered by first use: conv_b and cat_b run on the caller's stream 0, the rest on 1
+    wait = next(i for i, s in enumerate(plan.steps) if s.op == "wait")
+    cat_a = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and "cat_1.run(buf2" in _code(s))
+    assert wait < cat_a and stream_at[cat_a] == 1  # cat_a writes buf3 after cat_b did, on another stream
+    deleted = [_code(s) for s in plan.steps if s.op == "stmt" and s.statement.kind == "del"]
+    assert sorted(deleted) == ["del buf0", "del buf1", "del buf2"]
+    # storage that outlives the call and was used on a stream other than its own is protected
+    at_end = dict(plan.protect_at_end)
+    assert at_end["buf3"] == (1,)  # allocated on stream 0, written on 1
+    assert at_end["primals_1"] == (1,)  # an input (the caller's stream) read on stream 1
+    assert "buf1" not in at_end  # made and read on stream 0 only
+
+
+def _code(step: Emit) -> str:
+    import ast
+
+    return ast.unparse(step.statement.node)
+
+
+def test_name_check_catches_a_del_before_a_use(program):
+    dag = launch_dag(program, {}, default_cost=1.0)
+    plan = plan_emission(program, two_stream_schedule(program, dag), dag)
+    steps = list(plan.steps)
+    i = next(i for i, s in enumerate(steps) if s.op == "stmt" and _code(s) == "del buf1")
+    use = next(i for i, s in enumerate(steps) if s.op == "stmt" and "cat_1.run(buf1" in _code(s))
+    steps.insert(use, steps.pop(i))
+    with pytest.raises(ValueError, match="buf1"):
+        _check_names(program, steps)
+
+
+class Recorder:
+    """Fake kernels: each launch appends its name; tensors are small CPU tensors."""
+
+    def __init__(self):
+        self.log: list[str] = []
+
+    def kernel(self, name):
+        recorder = self
+
+        class Kernel:
+            def run(self, *args, stream=None):
+                recorder.log.append(name)
+                if name == "relu":
+                    args[0].relu_()
+                else:
+                    args[1].copy_(args[0])
+
+        return Kernel()
+
+
+def test_rewritten_call_runs_the_launches_in_a_valid_order(program):
+    recorder = Recorder()
+
+    class Extern:
+        @staticmethod
+        def convolution(x, w, stride):
+            recorder.log.append("conv")
+            return x @ w
+
+    import contextlib
+
+    class FakeCuda:
+        @staticmethod
+        def _DeviceGuard(index):
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def set_device(index):
+            pass
+
+    def bernoulli_(t, p):
+        recorder.log.append("bernoulli")
+        recorder.before_bernoulli = t.clone()
+        return t.bernoulli_(p)
+
+    ops = type("Ops", (), {"aten": type("Aten", (), {"bernoulli_": type("B", (), {"float": staticmethod(bernoulli_)})})})
+    fake_torch = type("T", (), {"cuda": FakeCuda, "ops": ops, "float32": torch.float32})
+    namespace = {
+        "torch": fake_torch, "extern_kernels": Extern, "get_raw_stream": lambda i: 0,
+        "triton_poi_fused_relu_0": recorder.kernel("relu"), "triton_poi_fused_cat_1": recorder.kernel("cat"),
+        "empty_strided_cuda": lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype),
+        "reinterpret_tensor": lambda t, size, stride, offset: t.as_strided(size, stride, offset),
+        "assert_size_stride": lambda *a: None, "mystery": lambda t: recorder.log.append("mystery"),
+    }
+    dag = launch_dag(program, {}, default_cost=1.0)
+    plan = plan_emission(program, two_stream_schedule(program, dag), dag)
+    call, runtime = build_call(program, plan, namespace)
+    torch.manual_seed(0)
+    x, wa, wb = torch.randn(2, 3), torch.randn(3, 4), torch.randn(3, 4)
+    args = [wa, wb, x]
+    torch.manual_seed(1)
+    out, _ = call(args)
+    assert args == []  # boxed: the call owns its inputs
+    assert recorder.log[0] == "conv" and recorder.log[-2:] == ["bernoulli", "mystery"]
+    assert recorder.log.index("relu") < recorder.log.index("cat", recorder.log.index("cat") + 1)
+    expected = torch.cat([x @ wb, (x @ wa).relu()], dim=1)
+    assert torch.equal(recorder.before_bernoulli, expected)  # both halves written, relu before its copy
+    torch.manual_seed(1)
+    torch.ops.aten.bernoulli_.float(expected, 0.5)
+    assert torch.equal(out, expected)
+    assert not runtime.active  # CPU tensors: no streams, the plan's order only
+
+
+# ---------------------------------------------------------------- through inductor (CPU)
+
+
+def test_kernels_strategy_trains_like_eager_through_inductor():
+    from tests.test_backend import NO_MERGE, compare_compiled, forward_and_backward, small_wide
+
+    import concur
+
+    torch._dynamo.reset()
+    try:
+        backend = concur.backend(streams=4, roofline=NO_MERGE)
+        compare_compiled(small_wide(), lambda: torch.randn(4, 3, 8, 8), backend)
+        fw, bw = forward_and_backward(backend.graphs)
+    finally:
+        torch._dynamo.reset()
+    assert fw.strategy == bw.strategy == "kernels"
+    assert fw.fallback_reason is None and bw.fallback_reason is None
+    assert max(fw.num_streams, bw.num_streams) > 1, (fw, bw)
+    assert fw.num_barriers == 0 and bw.num_barriers == 0, (fw, bw)
+
+
+def test_streams_1_keeps_inductors_own_call():
+    from tests.test_backend import compare_compiled, small_wide
+
+    import concur
+
+    torch._dynamo.reset()
+    try:
+        backend = concur.backend(streams=1)
+        compare_compiled(copy.deepcopy(small_wide()), lambda: torch.randn(4, 3, 8, 8), backend, steps=1)
+    finally:
+        torch._dynamo.reset()
+    assert all(g.num_streams == 1 and g.fallback_reason is None for g in backend.graphs)
