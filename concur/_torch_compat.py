@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -155,23 +155,49 @@ def deferred_kernel_compiles() -> Iterator[None]:
         wait(compiler, scope)
 
 
-def inductor_wrapper(compiled: object) -> tuple[str, dict, object | None]:
-    """Return (module source, module globals, bound ``self`` or None) of a compiled graph's ``call``.
+def _is_generated_call(fn: object) -> bool:
+    raw = getattr(fn, "__func__", fn)
+    return getattr(raw, "__name__", "") == "call" and "reinterpret_tensor" in getattr(raw, "__globals__", {})
 
-    ``compiled`` is what ``compile_fx_inner`` returns (a ``CompiledFxGraph``);
-    its ``current_callable`` is the generated module's ``call`` unless inductor
-    wrapped it (input realignment, cudagraphs), in which case concur leaves it
-    alone.
 
-    Raises:
-        ValueError: the output is not a plain generated ``call`` (the graph then runs as inductor made it).
+def _generated_call_slot(compiled: object) -> tuple[object, Callable[[object], None]]:
+    """Return inductor's generated ``call`` and a function that replaces it where the compiled graph calls it.
+
+    ``current_callable`` is that ``call``, or a wrapper inductor put around it
+    (``align_inputs_from_check_idxs`` copies misaligned inputs, then calls it
+    from its closure); the wrapper is kept and only its inner call replaced.
     """
     fn = getattr(compiled, "current_callable", None)
+    if _is_generated_call(fn):
+        return fn, lambda new: setattr(compiled, "current_callable", new)
+    for _ in range(3):  # a few wrappers deep
+        cells = getattr(getattr(fn, "__func__", fn), "__closure__", None) or ()
+        callables = [c for c in cells if callable(getattr(c, "cell_contents", None))]
+        inner = [c for c in callables if _is_generated_call(c.cell_contents)]
+        if inner:
+            cell = inner[0]
+            return cell.cell_contents, lambda new: setattr(cell, "cell_contents", new)
+        if len(callables) != 1:
+            break
+        fn = callables[0].cell_contents
     raw = getattr(fn, "__func__", fn)
-    namespace = getattr(raw, "__globals__", None)
-    if fn is None or namespace is None or getattr(raw, "__name__", "") != "call":
-        raise ValueError(f"inductor's output calls {getattr(raw, '__name__', type(fn).__name__)!r}, not its "
-                         "generated call function (it wrapped it)")
+    raise ValueError(f"inductor's output calls {getattr(raw, '__name__', type(fn).__name__)!r}, and no generated "
+                     "call function was found inside it")
+
+
+def inductor_wrapper(compiled: object) -> tuple[str, dict, object | None, Callable[[object], None]]:
+    """Return (module source, module globals, bound ``self`` or None, replace) of a compiled graph's ``call``.
+
+    ``compiled`` is what ``compile_fx_inner`` returns (a ``CompiledFxGraph``);
+    ``replace(new_call)`` makes it run ``new_call`` (boxed: one list
+    argument) in place of the generated one, inside any wrapper of inductor's.
+
+    Raises:
+        ValueError: no generated ``call`` was found (the graph then runs as inductor made it).
+    """
+    fn, replace = _generated_call_slot(compiled)
+    raw = getattr(fn, "__func__", fn)
+    namespace = raw.__globals__
     path = namespace.get("__file__")
     source = getattr(compiled, "source_code", None)
     if path and os.path.exists(path):
@@ -179,12 +205,7 @@ def inductor_wrapper(compiled: object) -> tuple[str, dict, object | None]:
             source = f.read()
     if not source:
         raise ValueError("inductor's output keeps no source code")
-    return source, namespace, getattr(fn, "__self__", None)
-
-
-def replace_inductor_call(compiled: object, call) -> None:
-    """Make a compiled graph run ``call`` (boxed: one list argument) instead of its generated one."""
-    compiled.current_callable = call
+    return source, namespace, getattr(fn, "__self__", None), replace
 
 
 def compile_phase_seconds() -> dict[str, float]:

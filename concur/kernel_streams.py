@@ -241,7 +241,8 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
     runtime = StreamRuntime(plan.num_streams, plan.num_events)
     rt_name = f"_concur_streams_{next(_counter)}"
     namespace[rt_name] = runtime
-    stream_lookups = [s.node for s in program.statements if s.kind == "stream"]
+    unique = {ast.unparse(s.node): s.node for s in program.statements if s.kind == "stream"}
+    stream_lookups = list(unique.values())  # inductor repeats ``stream0 = get_raw_stream(0)`` per kernel
 
     def rt(method: str, *args: ast.expr) -> ast.stmt:
         return ast.Expr(ast.Call(func=ast.Attribute(value=ast.Name(rt_name, ast.Load()), attr=method, ctx=ast.Load()),
@@ -303,7 +304,7 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     Raises:
         ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
     """
-    source, namespace, bound_to = compat.inductor_wrapper(compiled)
+    source, namespace, bound_to, replace = compat.inductor_wrapper(compiled)
     program = parse_wrapper(source, namespace)
     if len(program.launches) < 2:
         return PlacedKernels(None, False)
@@ -316,5 +317,5 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     if plan.num_streams == 1 or (min_predicted_speedup > 1.0 and plan.predicted_speedup < min_predicted_speedup):
         return PlacedKernels(plan, False)
     call, _ = build_call(program, plan, namespace, bound_to)
-    compat.replace_inductor_call(compiled, call)
+    replace(call)
     return PlacedKernels(plan, True)
