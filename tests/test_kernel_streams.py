@@ -133,7 +133,6 @@ def two_stream_schedule(program, dag):
 def test_emission_places_allocations_and_protects_cross_stream_storage(program):
     dag = launch_dag(program, {}, default_cost=1.0)
     plan = plan_emission(program, two_stream_schedule(program, dag), dag)
-    steps = [(s.op, s.index if s.op != "stmt" else _code(s)) for s in plan.steps]
     # the first launch is conv_b on the caller's stream after renumbering; its output buf1 is read by cat_b
     assert plan.num_streams == 2 and plan.num_waits >= 1
     alloc = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and _code(s).startswith("buf3 = empty"))
