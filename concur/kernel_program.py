@@ -283,7 +283,7 @@ def parse_wrapper(module_source: str, namespace: Mapping[str, Any]) -> KernelPro
                 groups.of.setdefault(name, name)
     statements = []
     for offset, node in enumerate(body[start:end]):
-        statements.extend(_classify(start + offset, node, groups, signatures, namespace, ()))
+        statements.extend(_classify(start + offset, node, groups, signatures, namespace))
     _attach_origins(statements, lines)
     return KernelProgram(fn, body, start, end, statements, inputs, _outputs(fn), body is not fn.body)
 
@@ -293,7 +293,7 @@ def _group_set(names: set[str], groups: _Groups) -> set[str]:
 
 
 def _classify(index: int, node: ast.stmt, groups: _Groups, signatures: dict[str, KernelSignature],
-              namespace: Mapping[str, Any], origins: tuple[str, ...]) -> list[Statement]:
+              namespace: Mapping[str, Any]) -> list[Statement]:
     uses = _names(node)
     if isinstance(node, ast.Delete):
         return [Statement(index, ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del())]), "del", frozenset({n}),
@@ -321,28 +321,27 @@ def _classify(index: int, node: ast.stmt, groups: _Groups, signatures: dict[str,
             return [Statement(index, node, "host", frozenset(uses), frozenset({target}), groups=frozenset({group}),
                               fresh=frozenset({group}), bind_group=group)]
         if isinstance(value, ast.Call):
-            return [_launch(index, node, value, target, groups, signatures, namespace, origins)]
+            return [_launch(index, node, value, target, groups, signatures, namespace)]
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
         func = _dotted(node.value.func)
         if func is not None and func.split(".")[-1] in _HOST_CHECKS:
             return [Statement(index, node, "host", frozenset(uses), frozenset(),
                               groups=frozenset(_group_set(uses, groups)))]
-        return [_launch(index, node, node.value, None, groups, signatures, namespace, origins)]
-    return [_barrier(index, node, groups, origins)]
+        return [_launch(index, node, node.value, None, groups, signatures, namespace)]
+    return [_barrier(index, node, groups)]
 
 
-def _barrier(index: int, node: ast.stmt, groups: _Groups, origins: tuple[str, ...]) -> Statement:
+def _barrier(index: int, node: ast.stmt, groups: _Groups) -> Statement:
     uses, binds = _names(node), _stored(node)
     touched = _group_set(uses, groups) | {WORLD}
     fresh = {groups.fresh(name) for name in binds}
     return Statement(index, node, "barrier", frozenset(uses), frozenset(binds), frozenset(touched),
-                     frozenset(touched | fresh), origins, frozenset((touched | fresh) - {WORLD}), frozenset(fresh),
+                     frozenset(touched | fresh), (), frozenset((touched | fresh) - {WORLD}), frozenset(fresh),
                      next(iter(fresh)) if len(fresh) == 1 else None)
 
 
 def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, groups: _Groups,
-            signatures: dict[str, KernelSignature], namespace: Mapping[str, Any],
-            origins: tuple[str, ...]) -> Statement:
+            signatures: dict[str, KernelSignature], namespace: Mapping[str, Any]) -> Statement:
     """Classify a call: a known kernel launch with exact accesses, or a barrier."""
     uses = _names(node)
     func = _dotted(call.func)
@@ -350,13 +349,13 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
     writes: set[str] = set()
     output_alias: str | None = None
     if func is None:
-        return _barrier(index, node, groups, origins)
+        return _barrier(index, node, groups)
     kernel_name = func[:-len(".run")] if func.endswith(".run") else func
     signature = signatures.get(kernel_name)
     op = _resolve(func, namespace)
     if signature is not None:
         if len(call.args) > len(signature.params):
-            return _barrier(index, node, groups, origins)
+            return _barrier(index, node, groups)
         pairs = list(zip(signature.params, call.args))
         pairs += [(k.arg, k.value) for k in call.keywords if k.arg in signature.params]
         for param, arg in pairs:
@@ -386,10 +385,10 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
                            and a.alias_info.before_set == ret.before_set and a.name in bound), None)
             aliased = _group_set(_names(source), groups) if source is not None else set()
             if len(aliased) != 1:
-                return _barrier(index, node, groups, origins)
+                return _barrier(index, node, groups)
             output_alias = next(iter(aliased))
     else:
-        return _barrier(index, node, groups, origins)
+        return _barrier(index, node, groups)
     reads.add(WORLD)
     binds: set[str] = set()
     fresh: set[str] = set()
@@ -404,7 +403,7 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
             writes.add(group)
     touched = reads | writes | _group_set(uses | binds, groups)
     return Statement(index, node, "launch", frozenset(uses), frozenset(binds), frozenset(reads),
-                     frozenset(writes), origins, frozenset(touched - {WORLD, RNG}), frozenset(fresh), group)
+                     frozenset(writes), (), frozenset(touched - {WORLD, RNG}), frozenset(fresh), group)
 
 
 def _bind_schema(schema: torch.FunctionSchema, call: ast.Call) -> dict[str, ast.AST]:
