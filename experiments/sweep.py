@@ -4,6 +4,8 @@
     python -m experiments.sweep --models googlenet branchy:8x64 --batches 8 64 --precisions bf16
     python -m experiments.sweep --out experiments/results/2026-12-01-h100 --resume
     python -m experiments.sweep --cpu-smoke --out /tmp/smoke       # tiny nets on CPU: plumbing only
+    python -m experiments.sweep --models googlenet --modes compile_graph fused:4 \
+        --together compile_graph,fused:4 --compile-jobs 6          # the two timed in turns, one child
 
 Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
 
@@ -31,6 +33,13 @@ build per mode. A crash, an OOM or a hang (``--timeout-per-config``) is
 recorded against the configuration it hit, the rest of its group runs again
 one per child, and the sweep goes on; a mode that raises is a result too. Results are appended to
 ``results.jsonl`` as they come; ``--resume`` skips configurations already there.
+
+``--together serial_graph,concur_graph:4`` sets up those modes of each model,
+batch and precision in one child and times them in alternating rounds, so
+that the ratio of two modes does not depend on the minute each was timed in.
+``--compile-jobs N`` runs N children at once, in waves that keep their memory
+apart: they compile and capture side by side and take turns to time, each
+alone on the GPU (a file lock).
 At the end ``results.json``, ``results.csv``, ``summary.md`` and PNG plots are
 written; each names the date, GPU, driver and torch version.
 Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import csv
 import datetime
 import fcntl
@@ -53,7 +63,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
@@ -219,56 +229,86 @@ def _streams_arg(mode: str) -> int | str:
     return "auto" if k == "auto" else int(k)
 
 
-def run_one(cfg: dict) -> dict:
-    """Measure one configuration in this process; return its result row (errors are rows too)."""
-    import torch
-    import torch.nn as nn
+@dataclass
+class PreparedMode:
+    """One mode of one configuration, set up (compiled or captured) and ready to step."""
 
-    import concur
-    from concur.monitor import Monitor, nvml_index
-    from experiments.sweep_models import build
+    row: dict
+    step_fn: Callable[[], None]
+    train_step: Any  # concur's TrainStep, or None for the plain-loop modes
+    model: Any
+    x: Any
+    cuda: bool
 
-    row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok")
+
+def _start_row(cfg: dict) -> dict:
+    """The row of a configuration, before anything ran."""
+    row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok", peak_mb=None)
     row.pop("fail", None)
-    mode, kind = cfg["mode"], cfg["mode"].split(":")[0]
-    cuda = torch.cuda.is_available()
-    if kind in CUDA_MODES and not cuda:
-        return dict(row, status="skipped: no CUDA")
+    return row
+
+
+def _check_runnable(cfg: dict, cuda: bool) -> str | None:
+    """Return the final status of a configuration that does not run here, after injected failures."""
+    if cfg["mode"].split(":")[0] in CUDA_MODES and not cuda:
+        return "skipped: no CUDA"
     if cfg.get("fail") == "raise":
         raise RuntimeError("forced failure (--inject-failure)")
     if cfg.get("fail") == "crash":
         os.abort()  # as a segfault or the OOM killer would: no row from the child at all
-    device = "cuda" if cuda else "cpu"
+    return None
+
+
+def _model_and_batch(cfg: dict, device: str) -> tuple[Any, Any, Any, Any]:
+    """The seeded model in the configuration's layout, one batch, and the bf16 autocast dtype (or None)."""
+    import torch
+
+    from experiments.sweep_models import build
+
     torch.manual_seed(0)
     model, size = build(cfg["model"])
     size = cfg.get("image_size") or size
-    bf16 = cfg["precision"] == "bf16"
-    amp_dtype = torch.bfloat16 if bf16 else None
     layout = torch.channels_last if cfg["precision"] in CHANNELS_LAST_PRECISIONS else torch.contiguous_format
     model = model.to(device).train().to(memory_format=layout)
     x = torch.randn(cfg["batch"], 3, size, size, device=device).to(memory_format=layout)
     y = torch.randint(0, 1000, (cfg["batch"],), device=device)
+    return model, x, y, torch.bfloat16 if cfg["precision"] == "bf16" else None
+
+
+def _critical_path_row(row: dict, cfg: dict, model: Any, x: Any, amp_dtype: Any) -> dict:
+    import concur
+
+    module = concur.optimize(model, (x,), streams=4)
+    trace = Path(cfg["out"]) / "traces" / (_file_stem(row["key"]) + ".json")
+    bound = critical_path_bound(profile_plan_nodes(module.plan, (x,), trace, amp_dtype), module.plan)
+    return dict(row, fwd_serial_us=bound.serial_us, fwd_critical_path_us=bound.critical_path_us,
+                bound_speedup=bound.bound_speedup, nodes_measured=bound.nodes_measured,
+                nodes_total=bound.nodes_total, trace=str(trace))
+
+
+def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: Any) -> PreparedMode:
+    """Build the mode's step function, run its first step (the compile or capture: ``setup_s``), warm up.
+
+    ``peak_mb`` is the allocator's peak over those steps beyond what was
+    allocated before them: a step allocates the same every time, and a CUDA
+    graph's pool is filled by its capture (reduce-overhead's within the
+    warm-up steps).
+    """
+    import torch
+    import torch.nn as nn
+
+    import concur
+
+    mode, kind = cfg["mode"], cfg["mode"].split(":")[0]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    if kind == "critical_path":
-        module = concur.optimize(model, (x,), streams=4)
-        trace = Path(cfg["out"]) / "traces" / (_file_stem(row["key"]) + ".json")
-        bound = critical_path_bound(profile_plan_nodes(module.plan, (x,), trace, amp_dtype), module.plan)
-        return dict(row, fwd_serial_us=bound.serial_us, fwd_critical_path_us=bound.critical_path_us,
-                    bound_speedup=bound.bound_speedup, nodes_measured=bound.nodes_measured,
-                    nodes_total=bound.nodes_total, trace=str(trace))
-
-    turn = GpuTurn(cfg.get("gpu_lock"))
-    turn.shared()  # with --compile-jobs N: compile and capture beside other children, time alone
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        # NVML over setup (compile or capture) and the timed steps; the timeline is kept for the plots
-        monitor = Monitor(nvml_index()).start()
-        monitor.mark("setup")
     t0 = time.perf_counter()
 
     def plain_loop(module: nn.Module, mark_step: bool = False) -> Callable[[], None]:
@@ -303,47 +343,153 @@ def run_one(cfg: dict) -> dict:
     row["setup_s"] = time.perf_counter() - t0
     if kind in COMPILING_MODES:  # where compile time goes: the largest of torch's own phase timers (s)
         row["compile_phases_s"] = compile_phases_s()
-    turn.exclusive()  # no other child's compile or capture runs kernels beside the timed steps
-    _time_steps(row, cfg, fn, cuda, monitor if cuda else None, before if cuda else 0)
-    turn.release()
+    for _ in range(cfg.get("warmup", 5)):  # reduce-overhead records its graphs in the first few steps
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+        row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    return PreparedMode(row, fn, step, model, x, cuda)
+
+
+def describe_mode(p: PreparedMode) -> dict:
+    """Fill in what concur made of the model: streams, compiled graphs, the predicted speedup."""
+    import concur
+
+    row, step = p.row, p.train_step
     if step is not None:
         row["streams_requested"] = step.requested_streams
         row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
         if step.backends:
             row["compiled_graphs"] = compiled_graphs(step)
-        if kind in CONCUR_MODES:
+        if row["mode"].split(":")[0] in CONCUR_MODES:
             k = row["graph_streams"] or step.requested_streams
-            seen = concur.inspect(model, (x,), max_streams=max(k, 1))
+            seen = concur.inspect(p.model, (p.x,), max_streams=max(k, 1))
             row["predicted_speedup"] = seen.predicted_speedup.get(k)  # with contention (since 2026-11-23)
             row["ideal_speedup"] = seen.ideal_speedup.get(k)
     return row
 
 
-def _time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool, monitor: Any, before: int) -> None:
-    """Time ``fn`` (warm-up, then the median of repeats) and fill the row's time, utilization and memory."""
+def run_one(cfg: dict) -> dict:
+    """Measure one configuration in this process; return its result row (errors are rows too)."""
     import torch
 
+    row = _start_row(cfg)
+    cuda = torch.cuda.is_available()
+    status = _check_runnable(cfg, cuda)
+    if status:
+        return dict(row, status=status)
+    model, x, y, amp_dtype = _model_and_batch(cfg, "cuda" if cuda else "cpu")
+    if cfg["mode"] == "critical_path":
+        return _critical_path_row(row, cfg, model, x, amp_dtype)
+    turn = GpuTurn(cfg.get("gpu_lock"))
+    turn.shared()  # with --compile-jobs N: compile and capture beside other children, time alone
+    prepared = prepare_mode(cfg, row, model, x, y, amp_dtype)
+    turn.exclusive()  # no other child's compile or capture runs kernels beside the timed steps
+    _time_steps(row, cfg, prepared.step_fn, cuda)
+    turn.release()
+    return describe_mode(prepared)
+
+
+def run_interleaved(cfgs: list[dict]) -> list[dict]:
+    """Set up the modes of one model, batch and precision one after another, then time them in turns.
+
+    Each of ``rounds`` rounds steps every mode in order (a short warm-up, then
+    ``repeats / rounds`` timed steps), so a drift of the GPU's clocks or of
+    whatever else runs on the machine reaches every mode alike; their ratio is
+    what the comparison needs. Compiling modes after the first reuse this
+    process's inductor and Triton caches: their ``setup_s`` is not a first
+    compile, and their rows say so. A mode that fails to set up is an error
+    row; the others are still timed.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    rows, prepared, first_compile = [], [], None
+    turn = GpuTurn(cfgs[0].get("gpu_lock"))
+    turn.shared()
+    for cfg in cfgs:
+        row = _start_row(cfg)
+        row["timed_with"] = [c["mode"] for c in cfgs if c is not cfg]
+        rows.append(row)
+        try:
+            status = _check_runnable(cfg, cuda)
+            if status:
+                row["status"] = status
+                continue
+            if cfg["mode"].split(":")[0] in COMPILING_MODES:
+                if first_compile is not None:
+                    row["compile_cache"] = f"warm: compiled after {first_compile} in the same process"
+                first_compile = first_compile or cfg["mode"]
+            model, x, y, amp_dtype = _model_and_batch(cfg, "cuda" if cuda else "cpu")
+            if cfg["mode"] == "critical_path":
+                rows[-1] = _critical_path_row(row, cfg, model, x, amp_dtype)
+                continue
+            prepared.append(prepare_mode(cfg, row, model, x, y, amp_dtype))
+        except Exception as exc:  # noqa: BLE001 - a failing mode is a result; the others still run
+            row.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+    turn.exclusive()
+    _time_in_turns(prepared, cfgs[0])
+    turn.release()
+    for p in prepared:
+        describe_mode(p)
+    return rows
+
+
+def _time_in_turns(prepared: list[PreparedMode], cfg: dict) -> None:
+    """Time the prepared modes in alternating rounds; each row gets its median, spread and utilization."""
+    from concur.timing import cuda_times_ms, median_and_iqr, wall_times_ms
+
+    rounds = max(1, cfg.get("rounds", 5))
+    per_round = max(1, cfg.get("repeats", 30) // rounds)
+    rewarm = 2  # steps after switching modes: the other mode's kernels left the caches cold
+    times: list[list[float]] = [[] for _ in prepared]
+    for _ in range(rounds):
+        for i, p in enumerate(prepared):
+            times[i] += (cuda_times_ms if p.cuda else wall_times_ms)(p.step_fn, rewarm, per_round)
+    for p, ts in zip(prepared, times):
+        p.row["ms"], p.row["iqr_ms"] = median_and_iqr(ts)
+        p.row["rounds"] = rounds
+        # NVML samples every ~200 ms: each mode steps alone for a while for its utilization
+        _under_nvml(p.row, cfg, p.step_fn, max(cfg.get("util_seconds", 0.0), 1.0)) if p.cuda else \
+            p.row.update(util_percent=None)
+
+
+def _under_nvml(row: dict, cfg: dict, fn: Callable[[], None], seconds: float,
+                first: Callable[[], None] = lambda: None) -> None:
+    """Run ``first``, then step ``fn`` until ``seconds`` have passed, under NVML; record the utilization."""
+    import torch
+
+    from concur.monitor import Monitor, nvml_index
+
+    monitor = Monitor(nvml_index()).start()
+    monitor.mark("timed steps")
+    t0 = time.monotonic()
+    first()
+    while time.monotonic() - t0 < seconds:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    record = monitor.stop()
+    timed_s = record.phases()[-1][1] if record.marks else 0.0
+    row["util_percent"] = record.mean_utilization(start_s=timed_s)
+    row["timed_s"] = time.monotonic() - t0
+    row["util_timeline"] = str(record.save(Path(cfg["out"]) / "util" / (_file_stem(row["key"]) + ".json")))
+
+
+def _time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool) -> None:
+    """Time ``fn`` (the median of repeats after a warm-up) and fill the row's time and utilization."""
     from concur.timing import time_cuda_ms, time_wall_ms
 
     warmup, repeats = cfg.get("warmup", 5), cfg.get("repeats", 30)
-    if cuda:
-        monitor.mark("timed steps")
-        timed_from = time.monotonic()
-        row["ms"], row["iqr_ms"] = time_cuda_ms(fn, warmup=warmup, repeats=repeats)
-        # NVML reports a sample every ~200 ms: a timeline worth drawing needs seconds of steps
-        while time.monotonic() - timed_from < cfg.get("util_seconds", 0):
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-        record = monitor.stop()
-        timed_s = record.phases()[-1][1] if record.marks else 0.0
-        row["util_percent"] = record.mean_utilization(start_s=timed_s)
-        row["timed_s"] = time.monotonic() - timed_from
-        row["util_timeline"] = str(record.save(Path(cfg["out"]) / "util" / (_file_stem(row["key"]) + ".json")))
-        row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-    else:
+    if not cuda:
         row["ms"], row["iqr_ms"] = time_wall_ms(fn, warmup, repeats)
-        row["util_percent"] = row["peak_mb"] = None
+        row["util_percent"] = None
+        return
+
+    def timed() -> None:
+        row["ms"], row["iqr_ms"] = time_cuda_ms(fn, warmup=warmup, repeats=repeats)
+    # NVML reports a sample every ~200 ms: a timeline worth drawing needs seconds of steps
+    _under_nvml(row, cfg, fn, cfg.get("util_seconds", 0.0), first=timed)
 
 
 class GpuTurn:
@@ -410,12 +556,27 @@ def child_main(config_json: str) -> int:
 
 
 def child_group_main(configs_json: str) -> int:
-    """Entry of ``--group``: one JSON row per configuration, printed as each finishes."""
+    """Entry of ``--group``: one JSON row per configuration, printed as each finishes.
+
+    A group of modes to time together (``--together``) prints its rows at the end.
+    """
     import gc
 
     import torch
 
-    for cfg in json.loads(configs_json):
+    cfgs = json.loads(configs_json)
+    if cfgs and cfgs[0].get("together"):
+        try:
+            rows = run_interleaved(cfgs)
+        except Exception as exc:  # noqa: BLE001 - outside one mode's setup: every row of the group says so
+            rows = [dict(c, key=config_key(c), started=time.time(), status="error",
+                         error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:]) for c in cfgs]
+        for row in rows:
+            row.pop("fail", None)
+            row.update(run_meta())
+            print(json.dumps(row, default=str), flush=True)
+        return 0
+    for cfg in cfgs:
         print(json.dumps(_row_or_error(cfg), default=str), flush=True)
         gc.collect()  # the previous mode's graphs and memory pools must not count in the next peak
         if torch.cuda.is_available():
@@ -455,17 +616,23 @@ def _error_row(cfg: dict, meta: dict, message: str, stderr_tail: str) -> dict:
     return row
 
 
-def run_in_subprocess(cfg: dict, timeout_s: float, meta: dict) -> dict:
-    """Run one configuration in a fresh interpreter; a crash or timeout becomes an error row.
+@contextlib.contextmanager
+def compile_caches(cfgs: list[dict]) -> Iterator[dict[str, str] | None]:
+    """Empty inductor and Triton caches for a child that compiles cold; None (the shared ones) otherwise.
 
-    A compiling configuration gets empty inductor and Triton caches unless it
-    asks for the shared ones: a kernel another configuration already compiled
-    would otherwise make its compile time look shorter than a user's first run.
+    A kernel another configuration already compiled would otherwise make a
+    compile time look shorter than a user's first run.
     """
+    if not any(c.get("compile_cache") == "cold" for c in cfgs):
+        yield None
+        return
     with tempfile.TemporaryDirectory(prefix="concur-sweep-cache-") as cache:
-        cold = cfg.get("compile_cache") == "cold"
-        extra_env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"} \
-            if cold else None
+        yield {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton"}
+
+
+def run_in_subprocess(cfg: dict, timeout_s: float, meta: dict) -> dict:
+    """Run one configuration in a fresh interpreter; a crash or timeout becomes an error row."""
+    with compile_caches([cfg]) as extra_env:
         stdout, error = _run_child("--one", cfg, timeout_s, extra_env)
     row = _rows_printed(stdout).get(config_key(cfg))
     if error is None and row is not None:
@@ -477,7 +644,8 @@ def run_group_in_subprocess(cfgs: list[dict], timeout_s: float, meta: dict) -> l
     """Run configurations in one fresh interpreter; what a crash or hang left undone runs one per child."""
     if len(cfgs) == 1:
         return [run_in_subprocess(cfgs[0], timeout_s, meta)]
-    stdout, error = _run_child("--group", cfgs, timeout_s * len(cfgs))
+    with compile_caches(cfgs) as extra_env:
+        stdout, error = _run_child("--group", cfgs, timeout_s * len(cfgs), extra_env)
     rows = _rows_printed(stdout)
     result = []
     for i, cfg in enumerate(cfgs):
@@ -492,17 +660,50 @@ def run_group_in_subprocess(cfgs: list[dict], timeout_s: float, meta: dict) -> l
 
 
 def group_configs(configs: list[dict]) -> list[list[dict]]:
-    """Consecutive non-compiling modes of one model, batch and precision form one group."""
+    """Group configurations that share a child: modes to time together, or consecutive non-compiling modes.
+
+    Both must be of one model, batch and precision. Every other compiling
+    configuration gets a child of its own.
+    """
     groups: list[list[dict]] = []
     for cfg in configs:
-        same = groups and groups[-1][0]["mode"].split(":")[0] not in COMPILING_MODES and \
-            cfg["mode"].split(":")[0] not in COMPILING_MODES and \
-            all(groups[-1][0][k] == cfg[k] for k in ("model", "batch", "precision"))
+        last = groups[-1][-1] if groups else None
+        same_point = last is not None and all(last[k] == cfg[k] for k in ("model", "batch", "precision"))
+        if cfg.get("together") or (last is not None and last.get("together")):
+            same = same_point and cfg.get("together") == last.get("together")
+        else:
+            same = same_point and last["mode"].split(":")[0] not in COMPILING_MODES and \
+                cfg["mode"].split(":")[0] not in COMPILING_MODES
         if same:
             groups[-1].append(cfg)
         else:
             groups.append([cfg])
     return groups
+
+
+def memory_waves(groups: list[list[dict]], jobs: int) -> list[list[list[dict]]]:
+    """Split groups into waves of at most ``jobs`` whose memory, roughly estimated, stays within twice the largest.
+
+    Children of one wave hold their models, graphs and memory pools at once;
+    in sweep order a wave would be one model's largest batches together, which
+    does not fit in an 80 GB GPU for Inception-v3 at batch 128. The estimate is
+    batch x modes in the child x 2 for fp32: enough to keep the large ones apart.
+    """
+    def size(g: list[dict]) -> int:
+        return g[0]["batch"] * len(g) * (1 if g[0]["precision"] == "bf16" else 2)
+
+    left = sorted(groups, key=size, reverse=True)
+    cap = 2 * size(left[0]) if left else 0
+    waves = []
+    while left:
+        wave, used = [], 0
+        for g in list(left):
+            if len(wave) < jobs and (not wave or used + size(g) <= cap):
+                wave.append(g)
+                used += size(g)
+                left.remove(g)
+        waves.append(wave)
+    return waves
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -537,23 +738,40 @@ class Progress:
               f"elapsed {_fmt_s(elapsed)}  left ~{_fmt_s(left)}  {key}: {status[:60]}", file=sys.stderr, flush=True)
 
 
+def ordered_modes(modes: list[str], together: list[list[str]]) -> list[str]:
+    """The modes in sweep order: each ``--together`` set in its own order, where its first mode stands."""
+    ordered, placed = [], set()
+    for mode in modes:
+        if mode in placed:
+            continue
+        group = next((g for g in together if mode in g), [mode])
+        ordered += group
+        placed.update(group)
+    return ordered
+
+
 def make_configs(args: argparse.Namespace) -> list[dict]:
     """Return the configurations to run, in sweep order; critical_path once per model/batch/precision."""
+    together = [t.split(",") for t in getattr(args, "together", None) or []]
+    tag = {m: ",".join(g) for g in together for m in g}
     configs = []
     for precision in args.precisions:
         for model in args.models:
             for batch in args.batches:
-                for mode in args.modes:
+                for mode in ordered_modes(args.modes, together):
                     cfg = dict(model=model, batch=batch, precision=precision, mode=mode, repeats=args.repeats,
                                util_seconds=args.util_seconds,
                                warmup=args.warmup, out=str(args.out))
                     if args.image_size:
                         cfg["image_size"] = args.image_size
+                    if mode in tag:
+                        cfg.update(together=tag[mode], rounds=getattr(args, "rounds", 5))
                     if mode.split(":")[0] in COMPILING_MODES:
                         cfg["compile_cache"] = "shared" if args.shared_compile_cache else "cold"
-                        if getattr(args, "compile_jobs", 1) > 1:  # setup_s is then not a lone compile
-                            cfg["compile_jobs"] = args.compile_jobs
-                            cfg["gpu_lock"] = str(Path(args.out) / ".gpu.lock")
+                    if mode != "critical_path" and getattr(args, "compile_jobs", 1) > 1:
+                        # compiles and captures run side by side, each timed alone; setup_s is not a lone one
+                        cfg["compile_jobs"] = args.compile_jobs
+                        cfg["gpu_lock"] = str(Path(args.out) / ".gpu.lock")
                     for spec in args.inject_failure:
                         needle, _, how = spec.rpartition("=")
                         if needle == config_key(cfg):
@@ -589,15 +807,14 @@ def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tup
 
     groups = group_configs(todo)
     side_by_side = [g for g in groups if g[0].get("gpu_lock")]
-    for group in groups:  # first whatever times alone, then the compiles that share the machine
+    for group in groups:  # first whatever times alone, then the children that share the machine
         if not group[0].get("gpu_lock"):
             run(group)
     jobs = side_by_side[0][0]["compile_jobs"] if side_by_side else 1
     # in waves: a child starting to compile while others wait to time would hold them up (GpuTurn)
-    for wave in range(0, len(side_by_side), jobs):
+    for wave in memory_waves(side_by_side, jobs):
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            for done in concurrent.futures.as_completed([pool.submit(run, g)
-                                                         for g in side_by_side[wave:wave + jobs]]):
+            for done in concurrent.futures.as_completed([pool.submit(run, g) for g in wave]):
                 done.result()
     return read_rows(jsonl), len(todo)
 
@@ -828,6 +1045,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-jobs", type=int, default=1, metavar="N",
                         help="run up to N compiling configurations at once; they compile side by side and "
                              "time one at a time (a lock), so their setup_s is not a lone compile. Default 1")
+    parser.add_argument("--together", action="append", default=[], metavar="MODE,MODE[,...]",  # or MODE+MODE
+                        help="time these modes of each model, batch and precision in one process, in alternating "
+                             "rounds (so a drift of clocks or load hits them alike); repeatable. The first "
+                             "compiling mode of a set compiles cold, the later ones reuse its caches")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of a --together set (default 5)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--image-size", type=int, help="override every model's input size")
@@ -850,12 +1072,23 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compile_jobs < 1:
         parser.error(f"--compile-jobs must be at least 1, got {args.compile_jobs}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     smoke = SMOKE if args.cpu_smoke else {}
     args.models = args.models or smoke.get("models") or DEFAULT_MODELS
     args.batches = args.batches or smoke.get("batches") or DEFAULT_BATCHES
     args.precisions = args.precisions or smoke.get("precisions") or ["fp32", "bf16"]
     args.modes = args.modes or smoke.get("modes") or list(ALL_MODES)
     args.image_size = args.image_size or smoke.get("image_size")
+    args.together = [t.replace("+", ",") for t in args.together]  # '+' where commas are taken (gpu_check.sh)
+    listed = set(args.modes)
+    seen: set[str] = set()
+    for t in args.together:
+        group = t.split(",")
+        if len(group) < 2 or not set(group) <= listed or seen & set(group) or len(set(group)) < len(group):
+            parser.error(f"--together {t!r}: name two or more of the --modes ({' '.join(args.modes)}), "
+                         "each in one set only")
+        seen |= set(group)
     if args.cpu_smoke:
         args.repeats, args.warmup = min(args.repeats, SMOKE["repeats"]), min(args.warmup, 1)
     meta = run_meta()

@@ -221,13 +221,14 @@ def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path):
     assert path.exists()
 
 
-def test_compile_jobs_compile_side_by_side_after_the_rest(monkeypatch, tmp_path):
+def test_compile_jobs_run_children_side_by_side_after_what_must_run_alone(monkeypatch, tmp_path):
     args = types.SimpleNamespace(precisions=["fp32"], models=["m"], batches=[8, 16],
-                                 modes=["eager", "compile", "fused:4"], repeats=1, util_seconds=0, warmup=0,
-                                 out=tmp_path, image_size=None, inject_failure=[], shared_compile_cache=False,
-                                 compile_jobs=2)
+                                 modes=["critical_path", "eager", "compile", "fused:4"], repeats=1, util_seconds=0,
+                                 warmup=0, out=tmp_path, image_size=None, inject_failure=[],
+                                 shared_compile_cache=False, compile_jobs=2)
     configs = sweep.make_configs(args)
-    assert [bool(c.get("gpu_lock")) for c in configs] == [False, True, True] * 2
+    # the bound profiles kernels one by one: nothing may run beside it
+    assert [bool(c.get("gpu_lock")) for c in configs] == [False, True, True, True] * 2
     running, events, lock = [], [], threading.Lock()
 
     def fake_group(group, timeout_s, meta):
@@ -241,10 +242,23 @@ def test_compile_jobs_compile_side_by_side_after_the_rest(monkeypatch, tmp_path)
 
     monkeypatch.setattr(sweep, "run_group_in_subprocess", fake_group)
     rows, launched = sweep.sweep(configs, tmp_path, resume=False, timeout_s=10)
-    assert launched == 6 and sorted(r["key"] for r in rows) == sorted(sweep.config_key(c) for c in configs)
-    assert [m for m, _ in events[:2]] == ["eager", "eager"]  # what times alone runs first, alone
-    assert max(n for m, n in events if m == "eager") == 1
-    assert max(n for m, n in events if m != "eager") == 2  # compiles overlap, two at a time
+    assert launched == 8 and sorted(r["key"] for r in rows) == sorted(sweep.config_key(c) for c in configs)
+    assert [m for m, _ in events[:2]] == ["critical_path", "critical_path"]  # what times alone runs first, alone
+    assert max(n for m, n in events if m == "critical_path") == 1
+    assert max(n for m, n in events if m != "critical_path") == 2  # the rest overlap, two at a time
+
+
+def test_memory_waves_keep_the_largest_children_apart():
+    def group(batch, precision, modes=2):
+        return [dict(batch=batch, precision=precision, mode=f"m{i}") for i in range(modes)]
+
+    groups = [group(b, p) for p in ("fp32", "bf16") for b in (8, 32, 64, 128)] * 3
+    waves = sweep.memory_waves(groups, jobs=6)
+    assert sorted(map(id, (g for w in waves for g in w))) == sorted(map(id, groups))  # each group once
+    assert all(len(w) <= 6 for w in waves)
+    size = lambda g: g[0]["batch"] * len(g) * (1 if g[0]["precision"] == "bf16" else 2)  # noqa: E731
+    assert all(sum(map(size, w)) <= 2 * 128 * 2 * 2 for w in waves)
+    assert max(sum(1 for g in w if g[0]["batch"] == 128 and g[0]["precision"] == "fp32") for w in waves) == 2
 
 
 def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
@@ -281,3 +295,81 @@ def test_fp32_channels_last_precision_runs_the_model_channels_last(tmp_path, mon
                                  warmup=0, image_size=16, out=str(tmp_path)))
         assert row["status"] == "ok", row
     assert layouts[0] is False and layouts[-1] is True
+
+
+def _args(tmp_path, modes, together, compile_jobs=1):
+    return types.SimpleNamespace(precisions=["fp32"], models=["m"], batches=[8], modes=modes, repeats=6,
+                                 util_seconds=0, warmup=1, out=tmp_path, image_size=None, inject_failure=[],
+                                 shared_compile_cache=False, compile_jobs=compile_jobs, together=together,
+                                 rounds=3)
+
+
+def test_modes_timed_together_share_one_child_in_the_order_given(tmp_path):
+    args = _args(tmp_path, ["eager", "fused:4", "serial_graph", "compile_graph", "concur_graph:4"],
+                 ["compile_graph,fused:4", "serial_graph,concur_graph:4"], compile_jobs=4)
+    configs = sweep.make_configs(args)
+    groups = [[c["mode"] for c in g] for g in sweep.group_configs(configs)]
+    assert groups == [["eager"], ["compile_graph", "fused:4"], ["serial_graph", "concur_graph:4"]]
+    by_mode = {c["mode"]: c for c in configs}
+    assert by_mode["fused:4"]["together"] == "compile_graph,fused:4" and by_mode["fused:4"]["rounds"] == 3
+    # with --compile-jobs every child takes turns on the GPU through one lock
+    assert len({c["gpu_lock"] for c in configs}) == 1
+    assert by_mode["compile_graph"]["compile_cache"] == "cold" and "compile_cache" not in by_mode["serial_graph"]
+
+
+@pytest.mark.parametrize("together", [["eager"], ["eager,nosuch"], ["eager,eager_streams:2", "eager,serial_graph"]])
+def test_bad_together_sets_are_refused(together, tmp_path, capsys):
+    args = ["--cpu-smoke", "--out", str(tmp_path), *[a for t in together for a in ("--together", t)]]
+    with pytest.raises(SystemExit):
+        sweep.main(args)
+    assert "--together" in capsys.readouterr().err
+
+
+def test_modes_timed_together_take_turns_and_later_compiles_say_their_cache_was_warm(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_prepare(cfg, row, model, x, y, amp_dtype):
+        row["setup_s"] = 0.0
+        if cfg["mode"] == "compile":
+            raise RuntimeError("inductor said no")
+        return sweep.PreparedMode(row, lambda: calls.append(cfg["mode"]), None, model, x, cuda=False)
+
+    monkeypatch.setattr(sweep, "prepare_mode", fake_prepare)
+    monkeypatch.setattr(sweep, "_model_and_batch", lambda cfg, device: (None, None, None, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    modes = ["eager", "compile", "eager_streams:2"]
+    cfgs = sweep.make_configs(_args(tmp_path, modes, [",".join(modes)]))
+    rows = {r["mode"]: r for r in sweep.run_interleaved(cfgs)}
+    assert rows["compile"]["status"] == "error" and "inductor said no" in rows["compile"]["error"]
+    assert "compile_cache" not in rows["eager_streams:2"] or "warm" not in rows["eager_streams:2"]["compile_cache"]
+    for mode in ("eager", "eager_streams:2"):  # the failed mode does not stop the others
+        r = rows[mode]
+        assert r["status"] == "ok" and r["ms"] >= 0 and r["rounds"] == 3 and r["timed_with"] == \
+            [m for m in modes if m != mode]
+    # 3 rounds of (2 re-warm + 6 // 3 timed) steps each, alternating: drift reaches both modes alike
+    assert calls == (["eager"] * 4 + ["eager_streams:2"] * 4) * 3
+
+
+def test_a_second_compile_in_a_together_set_is_marked_warm(monkeypatch, tmp_path):
+    monkeypatch.setattr(sweep, "prepare_mode", lambda cfg, row, *a: sweep.PreparedMode(
+        row, lambda: None, None, None, None, cuda=False))
+    monkeypatch.setattr(sweep, "_model_and_batch", lambda cfg, device: (None, None, None, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # so the CUDA modes are not skipped
+    monkeypatch.setattr(sweep, "_time_in_turns", lambda prepared, cfg: None)
+    cfgs = sweep.make_configs(_args(tmp_path, ["fused:4", "compile_graph", "serial_graph"],
+                                    ["fused:4,compile_graph,serial_graph"]))
+    rows = {r["mode"]: r for r in sweep.run_interleaved(cfgs)}
+    assert rows["fused:4"]["compile_cache"] == "cold"
+    assert rows["compile_graph"]["compile_cache"] == "warm: compiled after fused:4 in the same process"
+    assert "compile_cache" not in rows["serial_graph"]
+
+
+def test_a_together_sweep_on_cpu_times_both_modes_in_one_child(tmp_path):
+    args = ["--cpu-smoke", "--models", "branchy:2x8", "--modes", "eager", "eager_streams:2", "--repeats", "4",
+            "--together", "eager,eager_streams:2", "--rounds", "2", "--out", str(tmp_path)]
+    assert sweep.main(args) == 0
+    rows = {r["mode"]: r for r in sweep.read_rows(tmp_path / "results.jsonl")}
+    assert set(rows) == {"eager", "eager_streams:2"}
+    for mode, r in rows.items():
+        assert r["status"] == "ok" and r["ms"] > 0 and r["rounds"] == 2 and r["torch"] == torch.__version__, r
+    assert rows["eager_streams:2"]["predicted_speedup"] > 1.0
