@@ -257,8 +257,8 @@ def test_memory_waves_keep_the_largest_children_apart():
     assert sorted(map(id, (g for w in waves for g in w))) == sorted(map(id, groups))  # each group once
     assert all(len(w) <= 6 for w in waves)
     size = lambda g: g[0]["batch"] * len(g) * (1 if g[0]["precision"] == "bf16" else 2)  # noqa: E731
-    assert all(sum(map(size, w)) <= 2 * 128 * 2 * 2 for w in waves)
-    assert max(sum(1 for g in w if g[0]["batch"] == 128 and g[0]["precision"] == "fp32") for w in waves) == 2
+    assert all(sum(map(size, w)) <= 3 * 128 * 2 * 2 for w in waves)
+    assert max(sum(1 for g in w if g[0]["batch"] == 128 and g[0]["precision"] == "fp32") for w in waves) == 3
 
 
 def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
