@@ -1,4 +1,9 @@
-"""Does eager Inception-v3 compute the same first SGD update in NCHW and channels-last? (GPU check, not yet run)
+"""Does eager Inception-v3 compute the same first SGD update in NCHW and channels-last? (GPU check)
+
+    PYTHONPATH=. python3 experiments/inception_layout_check.py
+
+Ran on the H100 (torch 2.11, 2026-11-23): no. Channels-last vs NCHW 0.71 (0.81 with
+TF32), NCHW vs itself 2.2e-4, so the 0.716 below is eager's own layout difference.
 
 The fused GPU test found torch.compile's first update 0.716 (relative) away from
 eager's on a channels-last Inception-v3, where NCHW gave 2.7e-2. This compares
