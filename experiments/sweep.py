@@ -453,9 +453,10 @@ def _time_in_turns(prepared: list[PreparedMode], cfg: dict) -> None:
     for p, ts in zip(prepared, times):
         p.row["ms"], p.row["iqr_ms"] = median_and_iqr(ts)
         p.row["rounds"] = rounds
-        # NVML samples every ~200 ms: each mode steps alone for a while for its utilization
-        _under_nvml(p.row, cfg, p.step_fn, max(cfg.get("util_seconds", 0.0), 1.0)) if p.cuda else \
-            p.row.update(util_percent=None)
+        if p.cuda:  # NVML samples every ~200 ms: each mode steps alone for a while for its utilization
+            _under_nvml(p.row, cfg, p.step_fn, max(cfg.get("util_seconds", 0.0), 1.0))
+        else:
+            p.row["util_percent"] = None
 
 
 def _under_nvml(row: dict, cfg: dict, fn: Callable[[], None], seconds: float,
