@@ -107,6 +107,23 @@ def aot_autograd_backend(fw_compiler, bw_compiler) -> object:
 
 
 @contextlib.contextmanager
+def inductor_buffer_reuse(enabled: bool) -> Iterator[None]:
+    """Let inductor's generated code put a new buffer in a dead one's memory (its default), or not.
+
+    A reused buffer ties the kernel that writes the new buffer to every kernel
+    that read the old one: an order the dataflow does not need, which chains
+    independent branches together once their launches go on separate streams.
+    """
+    try:
+        from torch._inductor import config
+        config.allow_buffer_reuse  # noqa: B018 - the setting must exist in this version
+    except (ImportError, AttributeError) as exc:  # pragma: no cover
+        raise _compile_internal("torch._inductor.config.allow_buffer_reuse", exc) from exc
+    with config.patch(allow_buffer_reuse=enabled):
+        yield
+
+
+@contextlib.contextmanager
 def private_output_strides() -> Iterator[None]:
     """Keep segment compilations from reporting output strides for the whole graph.
 

@@ -23,6 +23,8 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     fused_segments:K    the same with strategy "segments" (each graph cut per stream, pieces compiled)
     fused_delayed:K     segments with event_delay_launches=5 (experimental: fewer segments,
                         so fewer inductor compilations, for slightly later events)
+    fused_fresh:K       fused with buffer_reuse=False: inductor gives every buffer its own memory,
+                        so no reuse chains independent branches (experimental, not yet measured)
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
 
@@ -69,12 +71,13 @@ from typing import Any, Callable, Iterator
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
-FUSED_MODES = ("fused", "fused_segments", "fused_delayed")
+FUSED_MODES = ("fused", "fused_segments", "fused_delayed", "fused_fresh")
 CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", *FUSED_MODES, "critical_path")
 CONCUR_MODES = ("eager_streams", "concur_graph", *FUSED_MODES)  # the rest: what a user has
 COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES)  # a child each
 FUSED_OPTIONS = {"fused": None, "fused_segments": {"strategy": "segments"},
-                 "fused_delayed": {"strategy": "segments", "event_delay_launches": 5.0}}
+                 "fused_delayed": {"strategy": "segments", "event_delay_launches": 5.0},
+                 "fused_fresh": {"buffer_reuse": False}}
 PRECISIONS = ("fp32", "bf16", "fp32-cl")  # bf16 = autocast + channels-last; fp32-cl = fp32, channels-last
 CHANNELS_LAST_PRECISIONS = ("bf16", "fp32-cl")
 DEFAULT_BATCHES = [8, 32, 64, 128]
