@@ -4,7 +4,7 @@
 # Steps:
 #   tests          GPU tests of the runtime and tuner (tests/test_gpu.py, tests/test_gpu_tuner.py)
 #   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
-#   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3)
+#   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3, resnet50)
 #   wrappers       copy a few of inductor's generated wrappers (python files with a call function) to $OUT
 #   zoo-giants     the two largest torchvision models on the CPU (they need >23 GB of RAM), in the background
 #   bench          bench_train.py: the README's runtime table (3 models, all batches, 2/4/8 streams)
