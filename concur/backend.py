@@ -123,6 +123,9 @@ class GraphPlan:
     predicted_speedup: float = 1.0  # the same with kernels sharing the device (schedulers.simulate_shared)
 
 
+DYNAMIC_SHAPES = ("the graph has dynamic (symbolic) shapes; concur schedules static shapes only "
+                  "(compile with dynamic=False)")
+
 NCHW_WARNING = ("concur backend: compiling a graph of NCHW convolutions whole, on one stream. Inductor turns "
                 "such a graph channels-last as a whole, while segments keep the traced layout where they are "
                 "cut (on the H100, fp32 GoogLeNet b32 ran 0.69x of torch.compile when cut). For streams, make "
@@ -157,8 +160,7 @@ def plan_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backe
         ValueError: the graph has symbolic shapes, or the plan is invalid (a concur bug).
     """
     if compat.has_symbolic_shapes(list(example_inputs)):
-        raise ValueError("the graph has dynamic (symbolic) shapes; concur schedules static shapes only "
-                         "(compile with dynamic=False)")
+        raise ValueError(DYNAMIC_SHAPES)
     if options.streams > 1 and _device_of(example_inputs).type == "cuda" and compat.inductor_optimizes_layout() \
             and has_nchw_convolutions(gm.graph):
         warnings.warn(NCHW_WARNING, stacklevel=2)
@@ -266,8 +268,7 @@ class ConcurBackend:
         o = self.options
         if compat.has_symbolic_shapes(list(example_inputs)):
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
-            self._record(gm, GraphPlan(None), is_backward, "the graph has dynamic (symbolic) shapes; concur "
-                         "schedules static shapes only (compile with dynamic=False)")
+            self._record(gm, GraphPlan(None), is_backward, DYNAMIC_SHAPES)
             return compiled
         roof = _roofline(o, example_inputs)
         node_costs = {}

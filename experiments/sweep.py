@@ -433,7 +433,7 @@ def run_interleaved(cfgs: list[dict]) -> list[dict]:
                 continue
             prepared.append(prepare_mode(cfg, row, model, x, y, amp_dtype))
         except Exception as exc:  # noqa: BLE001 - a failing mode is a result; the others still run
-            row.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+            row.update(_error_fields(exc))
     turn.exclusive()
     _time_in_turns(prepared, cfgs[0])
     turn.release()
@@ -545,13 +545,17 @@ def compile_phases_s(top: int = 8) -> dict[str, float]:
     return {name: round(seconds, 2) for name, seconds in phases}
 
 
+def _error_fields(exc: Exception) -> dict:
+    """What a row records of the exception being handled: a failing mode is a result."""
+    return dict(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+
+
 def _row_or_error(cfg: dict) -> dict:
     started = time.time()
     try:
         row = run_one(cfg)
     except Exception as exc:  # a failing mode is a result
-        row = dict(cfg, key=config_key(cfg), started=started, status="error", error=f"{type(exc).__name__}: {exc}",
-                   traceback=traceback.format_exc()[-2000:])
+        row = dict(cfg, key=config_key(cfg), started=started, **_error_fields(exc))
         row.pop("fail", None)
     row.update(run_meta())
     return row
@@ -577,8 +581,7 @@ def child_group_main(configs_json: str) -> int:
         try:
             rows = run_interleaved(cfgs)
         except Exception as exc:  # noqa: BLE001 - outside one mode's setup: every row of the group says so
-            rows = [dict(c, key=config_key(c), started=time.time(), status="error",
-                         error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:]) for c in cfgs]
+            rows = [dict(c, key=config_key(c), started=time.time(), **_error_fields(exc)) for c in cfgs]
         for row in rows:
             row.pop("fail", None)
             row.update(run_meta())
