@@ -326,23 +326,24 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
             opt.step()
         return fn
 
-    step = None
-    if kind == "eager":
-        fn = plain_loop(model)
-    elif kind == "compile":
-        fn = plain_loop(torch.compile(model))
-    elif kind == "reduce_overhead":
-        fn = plain_loop(torch.compile(model, mode="reduce-overhead"), mark_step=True)
-    else:  # every concur path goes through train_step, as experiments/bench_train.py does
+    def build() -> tuple[Callable[[], None], Any]:
+        if kind == "eager":
+            return plain_loop(model), None
+        if kind == "compile":
+            return plain_loop(torch.compile(model)), None
+        if kind == "reduce_overhead":
+            return plain_loop(torch.compile(model, mode="reduce-overhead"), mark_step=True), None
+        # every concur path goes through train_step, as experiments/bench_train.py does
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
                                  compile=kind == "compile_graph" or kind in FUSED_MODES, amp_dtype=amp_dtype,
                                  compile_options=FUSED_OPTIONS.get(kind))
+        return (lambda: step(x, y)), step
 
-        def fn() -> None:
-            step(x, y)
-    with warnings.catch_warnings(record=True) as caught:  # e.g. "capturing with 4 streams failed, 1 stream"
+    # concur's warnings (e.g. "capturing with 4 streams failed, 1 stream") go into the row
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        fn, step = build()
         fn()  # the first step compiles or captures
         if cuda:
             torch.cuda.synchronize()

@@ -373,3 +373,31 @@ def test_a_together_sweep_on_cpu_times_both_modes_in_one_child(tmp_path):
     for mode, r in rows.items():
         assert r["status"] == "ok" and r["ms"] > 0 and r["rounds"] == 2 and r["torch"] == torch.__version__, r
     assert rows["eager_streams:2"]["predicted_speedup"] > 1.0
+
+
+def test_rows_keep_concurs_warnings_from_the_setup(tmp_path, monkeypatch):
+    """A fallback train_step warns about (say, 4 streams -> 1) must show in the row, not only on stderr."""
+    import warnings
+
+    real_train_step = concur.train_step
+
+    def warning_train_step(*args, **kwargs):
+        warnings.warn("concur.train_step: built with a caveat")
+        step = real_train_step(*args, **kwargs)
+
+        def first_step_warns(*a):
+            warnings.warn("concur.train_step: capturing the step with 2 stream(s) failed; falling back")
+            warnings.warn("some other library's warning")
+            return step(*a)
+        first_step_warns.requested_streams, first_step_warns.graphs, first_step_warns.backends = 2, {}, {}
+        return first_step_warns
+
+    monkeypatch.setattr(concur, "train_step", warning_train_step)
+    row = sweep.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager_streams:2", repeats=1,
+                             warmup=0, image_size=16, out=str(tmp_path)))
+    assert row["status"] == "ok", row
+    assert row["warnings"] == ["concur.train_step: built with a caveat",
+                               "concur.train_step: capturing the step with 2 stream(s) failed; falling back"]
+    plain = sweep.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager", repeats=1,
+                               warmup=0, image_size=16, out=str(tmp_path)))
+    assert plain["warnings"] == []
