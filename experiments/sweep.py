@@ -693,29 +693,47 @@ def group_configs(configs: list[dict]) -> list[list[dict]]:
     return groups
 
 
-def memory_waves(groups: list[list[dict]], jobs: int) -> list[list[list[dict]]]:
-    """Split groups into waves of at most ``jobs`` whose memory, roughly estimated, stays within 3x the largest.
+WAVE_CAPACITY_PER_80GB = 1536
+"""Sum of child sizes (batch x modes x 2 for fp32) a wave may hold on an 80 GB GPU: three Inception-v3
+batch-128 fp32 pairs (size 512, about 21 GB each) fit on the H100. Scaled to other GPUs by their memory."""
+
+
+def memory_waves(groups: list[list[dict]], jobs: int,
+                 capacity: int = WAVE_CAPACITY_PER_80GB) -> list[list[list[dict]]]:
+    """Split groups into waves of at most ``jobs`` whose memory, roughly estimated, stays within ``capacity``.
 
     Children of one wave hold their models, graphs and memory pools at once;
     in sweep order a wave would be one model's largest batches together, which
     does not fit in an 80 GB GPU for Inception-v3 at batch 128. The estimate is
     batch x modes in the child x 2 for fp32: enough to keep the large ones apart.
+    The capacity is absolute, not relative to the largest child, so a resumed
+    sweep of small batches still runs ``jobs`` at once; a child larger than it
+    runs alone.
     """
     def size(g: list[dict]) -> int:
         return g[0]["batch"] * len(g) * (1 if g[0]["precision"] == "bf16" else 2)
 
     left = sorted(groups, key=size, reverse=True)
-    cap = 3 * size(left[0]) if left else 0
     waves = []
     while left:
         wave, used = [], 0
         for g in list(left):
-            if len(wave) < jobs and (not wave or used + size(g) <= cap):
+            if len(wave) < jobs and (not wave or used + size(g) <= capacity):
                 wave.append(g)
                 used += size(g)
                 left.remove(g)
         waves.append(wave)
     return waves
+
+
+def wave_capacity() -> int:
+    """``WAVE_CAPACITY_PER_80GB`` scaled to this machine's GPU memory (unscaled without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return WAVE_CAPACITY_PER_80GB
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return int(WAVE_CAPACITY_PER_80GB * gib / 79.2)  # the H100 80GB reports 79.2 GiB
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -824,7 +842,7 @@ def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tup
             run(group)
     jobs = side_by_side[0][0]["compile_jobs"] if side_by_side else 1
     # in waves: a child starting to compile while others wait to time would hold them up (GpuTurn)
-    for wave in memory_waves(side_by_side, jobs):
+    for wave in memory_waves(side_by_side, jobs, wave_capacity()):
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             for done in concurrent.futures.as_completed([pool.submit(run, g) for g in wave]):
                 done.result()

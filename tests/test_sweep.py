@@ -257,8 +257,14 @@ def test_memory_waves_keep_the_largest_children_apart():
     assert sorted(map(id, (g for w in waves for g in w))) == sorted(map(id, groups))  # each group once
     assert all(len(w) <= 6 for w in waves)
     size = lambda g: g[0]["batch"] * len(g) * (1 if g[0]["precision"] == "bf16" else 2)  # noqa: E731
-    assert all(sum(map(size, w)) <= 3 * 128 * 2 * 2 for w in waves)
+    assert all(sum(map(size, w)) <= sweep.WAVE_CAPACITY_PER_80GB for w in waves)
     assert max(sum(1 for g in w if g[0]["batch"] == 128 and g[0]["precision"] == "fp32") for w in waves) == 3
+    # a resumed sweep of small batches is not held to a third of its own largest child
+    small = [group(64, "bf16") for _ in range(8)]
+    assert [len(w) for w in sweep.memory_waves(small, jobs=8)] == [8]
+    # a child larger than the capacity still runs, alone
+    huge = [group(1024, "fp32"), group(8, "bf16")]
+    assert [len(w) for w in sweep.memory_waves(huge, jobs=8)] == [1, 1]
 
 
 def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
