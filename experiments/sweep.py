@@ -395,7 +395,7 @@ def run_one(cfg: dict) -> dict:
     turn.exclusive()  # no other child's compile or capture runs kernels beside the timed steps
     _time_steps(row, cfg, prepared.step_fn, cuda)
     turn.release()
-    return describe_mode(prepared)
+    return _describe_keeping_the_timing(prepared)
 
 
 def run_interleaved(cfgs: list[dict]) -> list[dict]:
@@ -439,7 +439,7 @@ def run_interleaved(cfgs: list[dict]) -> list[dict]:
     _time_in_turns(prepared, cfgs[0])
     turn.release()
     for p in prepared:
-        describe_mode(p)
+        _describe_keeping_the_timing(p)
     return rows
 
 
@@ -546,9 +546,40 @@ def compile_phases_s(top: int = 8) -> dict[str, float]:
     return {name: round(seconds, 2) for name, seconds in phases}
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first exception of a chain: fx's ShapeProp, for one, wraps an out-of-memory in its own RuntimeError."""
+    seen = {id(exc)}
+    while (exc.__cause__ or exc.__context__) is not None and id(exc.__cause__ or exc.__context__) not in seen:
+        exc = exc.__cause__ or exc.__context__
+        seen.add(id(exc))
+    return exc
+
+
 def _error_fields(exc: Exception) -> dict:
-    """What a row records of the exception being handled: a failing mode is a result."""
-    return dict(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+    """What a row records of the exception being handled: a failing mode is a result.
+
+    The message names the root cause too, as the traceback's tail that a row
+    keeps may not reach it.
+    """
+    error = f"{type(exc).__name__}: {exc}"
+    root = _root_cause(exc)
+    if root is not exc:
+        error = f"{type(root).__name__}: {str(root)[:500]} (raised as {error})"
+    return dict(status="error", error=error, traceback=traceback.format_exc()[-2000:])
+
+
+def _describe_keeping_the_timing(p: PreparedMode) -> dict:
+    """``describe_mode``, but a failure to describe leaves the measured times in the row.
+
+    Describing runs concur's analysis on the GPU after the timing, outside the
+    GPU lock, beside other children; if it fails (say, out of memory) the row
+    keeps its timing and records why it has no prediction.
+    """
+    try:
+        return describe_mode(p)
+    except Exception as exc:  # noqa: BLE001 - the timing is already measured; it must not be lost
+        p.row["describe_error"] = _error_fields(exc)["error"]
+        return p.row
 
 
 def _row_or_error(cfg: dict) -> dict:
@@ -849,6 +880,31 @@ def sweep(configs: list[dict], out: Path, resume: bool, timeout_s: float) -> tup
     return read_rows(jsonl), len(todo)
 
 
+def combine_runs(sources: list[Path], out: Path) -> list[dict]:
+    """Write ``out/results.jsonl`` as the union of the runs in ``sources``; return its rows.
+
+    A sweep too long for one sitting is measured in parts, each its own run
+    directory; the union is the whole sweep. Where two parts measured the same
+    configuration the later source wins. Each row keeps its own date and gains
+    ``source``, the directory it came from. ``out`` must not hold a measured run:
+    only a previous union is replaced, so no measurement is overwritten.
+    """
+    jsonl = out / "results.jsonl"
+    if any("source" not in r for r in read_rows(jsonl)):
+        raise SystemExit(f"{jsonl} holds measured rows; --combine writes only to a new or combined directory")
+    by_key: dict[str, dict] = {}
+    for src in sources:
+        rows = read_rows(src / "results.jsonl")
+        if not rows:
+            raise SystemExit(f"no rows in {src / 'results.jsonl'}")
+        for r in rows:
+            by_key.pop(r["key"], None)  # the later source's row, in the later source's order
+            by_key[r["key"]] = dict(r, source=str(r.get("source", src)))
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl.write_text("".join(json.dumps(r, default=str) + "\n" for r in by_key.values()))
+    return list(by_key.values())
+
+
 # --------------------------------------------------------------------------- reports
 
 
@@ -922,6 +978,15 @@ def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
              "times are medians with the interquartile range; speedups compare modes of the same sweep.", "",
              "| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    sources: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("source"):
+            sources.setdefault(r["source"], []).append(r)
+    if sources:
+        at = lines.index("| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |")
+        lines[at:at] = ["Combined from these runs (`--combine`; the later wins where both measured a configuration):", "",
+                        *[f"- `{src}`: {len(rs)} rows, {' + '.join(sorted({str(r.get('date')) for r in rs}))}"
+                          for src, rs in sources.items()], ""]
     num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["batch"], r["mode"])):
         status = r.get("status", "")
@@ -1088,6 +1153,9 @@ def main(argv: list[str] | None = None) -> int:
                              "timeline (it samples every ~200 ms); default 0: the timed repeats only")
     parser.add_argument("--report-only", action="store_true",
                         help="only rewrite the reports of the run in --out (e.g. after an interrupted sweep)")
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="write --out as the union of these run directories (the later wins per "
+                             "configuration; rows keep their date and gain 'source'), then its reports")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help=f"tiny defaults that finish on CPU: {SMOKE['models']}, batch {SMOKE['batches']}, "
                              f"{SMOKE['image_size']}px, modes {SMOKE['modes']}")
@@ -1123,7 +1191,11 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.warmup = min(args.repeats, SMOKE["repeats"]), min(args.warmup, 1)
     meta = run_meta()
     args.out = args.out or default_out(meta)
-    if args.report_only:
+    if args.combine:
+        if not args.out:
+            parser.error("--combine needs --out, a new directory for the union")
+        rows, launched = combine_runs(args.combine, args.out), 0
+    elif args.report_only:
         rows, launched = read_rows(args.out / "results.jsonl"), 0
         if not rows:
             raise SystemExit(f"no rows in {args.out / 'results.jsonl'}")

@@ -407,3 +407,67 @@ def test_rows_keep_concurs_warnings_from_the_setup(tmp_path, monkeypatch):
     plain = sweep.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager", repeats=1,
                                warmup=0, image_size=16, out=str(tmp_path)))
     assert plain["warnings"] == []
+
+
+def test_a_mode_that_fails_to_be_described_keeps_its_timing(monkeypatch, tmp_path):
+    """Describing (concur's analysis on the GPU) runs after the timing; its failure must not discard the times."""
+    def out_of_memory_inside_shape_prop(p):
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError("ShapeProp error for: node=%conv") from exc
+
+    monkeypatch.setattr(sweep, "describe_mode", out_of_memory_inside_shape_prop)
+    cfgs = sweep.make_configs(_args(tmp_path, ["eager", "eager_streams:2"], ["eager,eager_streams:2"]))
+    for cfg in cfgs:
+        cfg.update(model="branchy:2x8", batch=2, image_size=16)
+    rows = sweep.run_interleaved(cfgs)
+    single = sweep.run_one(dict(cfgs[0], repeats=1, warmup=0))
+    for r in rows + [single]:
+        assert r["status"] == "ok" and r["ms"] > 0, r
+        assert r["describe_error"].startswith("OutOfMemoryError: CUDA out of memory"), r["describe_error"]
+        assert "raised as RuntimeError: ShapeProp error" in r["describe_error"]
+
+
+def test_error_rows_name_the_root_cause_of_a_wrapped_exception():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError("ShapeProp error for: node=%conv") from exc
+    except RuntimeError as exc:
+        fields = sweep._error_fields(exc)
+    assert fields["status"] == "error"
+    assert fields["error"] == "OutOfMemoryError: CUDA out of memory (raised as RuntimeError: ShapeProp error for: node=%conv)"
+    try:
+        raise ValueError("plain")
+    except ValueError as exc:
+        assert sweep._error_fields(exc)["error"] == "ValueError: plain"
+
+
+def test_combine_makes_one_run_of_parts_and_never_overwrites_a_measured_run(tmp_path, capsys):
+    def part(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    def row(mode, ms, date):
+        return dict(key=f"m|8|fp32|{mode}", model="m", batch=8, precision="fp32", mode=mode, status="ok", ms=ms,
+                    iqr_ms=0.1, date=date, gpu="H100", driver="1", torch="2.11")
+
+    first = part("day1", [row("eager", 9.0, "2026-11-22"), row("serial_graph", 5.0, "2026-11-22")])
+    second = part("day2", [row("serial_graph", 4.0, "2026-11-23"), row("fused:4", 2.0, "2026-11-23")])
+    out = tmp_path / "full"
+    assert sweep.main(["--combine", str(first), str(second), "--out", str(out)]) == 0
+    rows = {r["mode"]: r for r in sweep.read_rows(out / "results.jsonl")}
+    assert {m: (r["ms"], r["date"], r["source"]) for m, r in rows.items()} == {
+        "eager": (9.0, "2026-11-22", str(first)), "serial_graph": (4.0, "2026-11-23", str(second)),
+        "fused:4": (2.0, "2026-11-23", str(second))}
+    summary = (out / "summary.md").read_text()
+    assert f"- `{first}`: 1 rows, 2026-11-22" in summary and "2026-11-22 + 2026-11-23" in summary
+    assert sweep.main(["--combine", str(first), "--out", str(out)]) == 0  # a union may be redone
+    assert len(sweep.read_rows(out / "results.jsonl")) == 2
+    with pytest.raises(SystemExit, match="holds measured rows"):
+        sweep.main(["--combine", str(first), "--out", str(second)])
+    assert len(sweep.read_rows(second / "results.jsonl")) == 2  # untouched
