@@ -164,19 +164,20 @@ def plot_utilization(record: MonitorRecord, title: str, path: Path) -> Path | No
     fig = _figure(8, 6)
     axes = fig.subplots(3, 1, sharex=True)
     phases = record.phases() or [("run", 0.0, record.duration_s)]
-    for label, start, end in phases:
+    for i, (label, start, end) in enumerate(phases):
+        color = f"C{i % 10}"  # one colour per phase in every panel, whichever panels have its samples
         util = [(u.t_s - start, u.gpu_percent) for u in record.utilization if start <= u.t_s < end]
         if util:
-            axes[0].step(*zip(*util), where="post", label=label)
+            axes[0].step(*zip(*util), where="post", label=label, color=color)
         for ax, attr in ((axes[1], "sm_clock_mhz"), (axes[2], "memory_used_mb")):
             pts = [(s.t_s - start, getattr(s, attr)) for s in record.samples
                    if start <= s.t_s < end and getattr(s, attr) is not None]
             if pts:
-                ax.plot(*zip(*pts), label=label)
+                ax.plot(*zip(*pts), label=label, color=color)
     axes[0].set_ylabel("GPU util %")
     axes[0].set_ylim(0, 105)
     axes[1].set_ylabel("SM clock MHz")
-    axes[2].set_ylabel("memory used MB")
+    axes[2].set_ylabel("device memory\nused MB (NVML)")
     axes[2].set_xlabel("seconds since the phase started")
     axes[0].legend(loc="lower right", fontsize=8)
     axes[0].set_title(f"{title}: NVML ({record.utilization_source} utilization, {record.device})")
