@@ -75,9 +75,12 @@ class BackendOptions:
     min_predicted_speedup: float | None = None
     # "kernels" with streams > 1: whether inductor may put a new buffer in a dead one's memory.
     # Each reuse orders the new buffer's writer after every reader of the old one, which chains
-    # independent branches: on the CPU, an 8-branch net's planned forward went from 1 stream
-    # (ideal 1.00x) to 4 (2.03x) without reuse, its backward from 1.59x to 3.31x. Memory inside
-    # a CUDA graph and step time on the GPU are not yet measured, so reuse stays on by default.
+    # independent branches: an 8-branch net's planned forward goes from ideal 1.24x to 2.25x
+    # without reuse, its backward from 1.04x to 3.09x. On the H100 (2026-11-23, each paired with
+    # compile + graph in one process) no reuse gave 1.00-1.94x where reuse gave 0.97-1.22x on the
+    # same 10 configurations, never slower, at 1.02-1.12x compile + graph's peak memory. It stays
+    # on by default until the 50-step GPU training test and the sanitizer have run without it:
+    # without reuse more kernels overlap, which is what those tests exist to check.
     buffer_reuse: bool = True
 
     @property
@@ -352,9 +355,10 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *,
     (:data:`DEFAULT_MIN_PREDICTED_SPEEDUP`). With segments, so does a CUDA
     graph of NCHW convolutions.
 
-    ``buffer_reuse=False`` (kernels strategy, experimental) stops inductor from
-    placing new buffers in dead ones, whose reuse chains independent branches;
-    more memory, more concurrency.
+    ``buffer_reuse=False`` (kernels strategy with several streams; measured
+    faster, not yet the default) stops inductor from placing new buffers in
+    dead ones, whose reuse chains independent branches: a little more memory,
+    much more concurrency (README, "Streams on top of fusion").
     """
     if event_delay_launches < 0:
         raise ValueError(f"event_delay_launches must be >= 0, got {event_delay_launches!r}")
