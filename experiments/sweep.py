@@ -971,6 +971,33 @@ def write_reports(rows: list[dict], meta: dict, out: Path) -> list[Path]:
     return written
 
 
+def mode_table_markdown(rows: list[dict]) -> list[str]:
+    """Step time (ms) of every mode side by side, a line per model, precision and batch; then the best ratio.
+
+    A mode that failed shows ``error``; one not run, ``-``. The last column is
+    the best concur mode over the best alternative, as in ``best_speedups``.
+    """
+    timed = [r for r in rows if r.get("mode") != "critical_path"]
+    present = {r["mode"] for r in timed}
+    modes = [m for m in ALL_MODES if m in present] + sorted(present - set(ALL_MODES))
+    if not modes:
+        return []
+    cell = {(r["model"], r["precision"], r["batch"], r["mode"]): r for r in timed}
+    best = {(b["model"], b["precision"], b["batch"]): b for b in best_speedups(rows)}
+    lines = ["", "## Step time per mode (ms)", "",
+             f"| model | precision | batch | {' | '.join(modes)} | best concur / best alternative |",
+             "|---|---|---|" + "---|" * (len(modes) + 1)]
+    for key in sorted({k[:3] for k in cell}):
+        values = []
+        for m in modes:
+            r = cell.get((*key, m))
+            values.append("-" if r is None else f"{r['ms']:.2f}" if r.get("ms") else r.get("status", "?").split(":")[0])
+        b = best.get(key)
+        ratio = f"{b['speedup']:.2f}x ({b['concur_mode']} / {b['best_alternative']})" if b else ""
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {' | '.join(values)} | {ratio} |")
+    return lines
+
+
 def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
     """Return the Markdown summary: every configuration, the speedups, the bounds, the failures."""
     lines = [f"# Sweep: {_meta_line(meta)}", "",
@@ -998,6 +1025,7 @@ def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
     if any(r.get("compile_jobs") for r in rows):
         lines += ["", "\\* compiled beside other configurations (`--compile-jobs`): not a lone compile time; "
                   "step times were measured alone."]
+    lines += mode_table_markdown(rows)
     best = best_speedups(rows)
     if best:
         lines += ["", "## Best concur mode vs best alternative", "",

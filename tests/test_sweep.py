@@ -471,3 +471,17 @@ def test_combine_makes_one_run_of_parts_and_never_overwrites_a_measured_run(tmp_
     with pytest.raises(SystemExit, match="holds measured rows"):
         sweep.main(["--combine", str(first), "--out", str(second)])
     assert len(sweep.read_rows(second / "results.jsonl")) == 2  # untouched
+
+
+def test_the_mode_table_puts_every_mode_side_by_side():
+    def row(model, batch, mode, ms=None, status="ok"):
+        return dict(model=model, precision="bf16", batch=batch, mode=mode, status=status, ms=ms)
+
+    rows = [row("g", 8, "compile_graph", 3.0), row("g", 8, "fused:4", 2.5), row("g", 8, "eager", 20.0),
+            row("g", 64, "compile_graph", 9.0), row("g", 64, "fused:4", status="error"),
+            row("g", 64, "critical_path", 0.0)]
+    lines = sweep.mode_table_markdown(rows)
+    assert lines[3] == "| model | precision | batch | eager | compile_graph | fused:4 | best concur / best alternative |"
+    assert lines[5] == "| g | bf16 | 8 | 20.00 | 3.00 | 2.50 | 1.20x (fused:4 / compile_graph) |"
+    assert lines[6] == "| g | bf16 | 64 | - | 9.00 | error |  |"
+    assert sweep.mode_table_markdown([]) == []
