@@ -1217,11 +1217,11 @@ def main(argv: list[str] | None = None) -> int:
         seen |= set(group)
     if args.cpu_smoke:
         args.repeats, args.warmup = min(args.repeats, SMOKE["repeats"]), min(args.warmup, 1)
+    if args.combine and not args.out:
+        parser.error("--combine needs --out, a new directory for the union")
     meta = run_meta()
     args.out = args.out or default_out(meta)
     if args.combine:
-        if not args.out:
-            parser.error("--combine needs --out, a new directory for the union")
         rows, launched = combine_runs(args.combine, args.out), 0
     elif args.report_only:
         rows, launched = read_rows(args.out / "results.jsonl"), 0

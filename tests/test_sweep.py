@@ -468,6 +468,9 @@ def test_combine_makes_one_run_of_parts_and_never_overwrites_a_measured_run(tmp_
     assert f"- `{first}`: 1 rows, 2026-11-22" in summary and "2026-11-22 + 2026-11-23" in summary
     assert sweep.main(["--combine", str(first), "--out", str(out)]) == 0  # a union may be redone
     assert len(sweep.read_rows(out / "results.jsonl")) == 2
+    with pytest.raises(SystemExit):  # not into the default run directory
+        sweep.main(["--combine", str(first)])
+    assert "--combine needs --out" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="holds measured rows"):
         sweep.main(["--combine", str(first), "--out", str(second)])
     assert len(sweep.read_rows(second / "results.jsonl")) == 2  # untouched
