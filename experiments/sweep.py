@@ -549,8 +549,8 @@ def compile_phases_s(top: int = 8) -> dict[str, float]:
 def _root_cause(exc: BaseException) -> BaseException:
     """The first exception of a chain: fx's ShapeProp, for one, wraps an out-of-memory in its own RuntimeError."""
     seen = {id(exc)}
-    while (exc.__cause__ or exc.__context__) is not None and id(exc.__cause__ or exc.__context__) not in seen:
-        exc = exc.__cause__ or exc.__context__
+    while (earlier := exc.__cause__ or exc.__context__) is not None and id(earlier) not in seen:
+        exc = earlier
         seen.add(id(exc))
     return exc
 
@@ -1002,18 +1002,17 @@ def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
     """Return the Markdown summary: every configuration, the speedups, the bounds, the failures."""
     lines = [f"# Sweep: {_meta_line(meta)}", "",
              f"CUDA {meta.get('cuda')}, concur {meta.get('concur')}. {len(rows)} configurations; "
-             "times are medians with the interquartile range; speedups compare modes of the same sweep.", "",
-             "| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "times are medians with the interquartile range; speedups compare modes of the same sweep.", ""]
     sources: dict[str, list[dict]] = {}
     for r in rows:
         if r.get("source"):
             sources.setdefault(r["source"], []).append(r)
     if sources:
-        at = lines.index("| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |")
-        lines[at:at] = ["Combined from these runs (`--combine`; the later wins where both measured a configuration):", "",
-                        *[f"- `{src}`: {len(rs)} rows, {' + '.join(sorted({str(r.get('date')) for r in rs}))}"
-                          for src, rs in sources.items()], ""]
+        lines += ["Combined from these runs (`--combine`; the later wins where both measured a configuration):", "",
+                  *[f"- `{src}`: {len(rs)} rows, {' + '.join(sorted({str(r.get('date')) for r in rs}))}"
+                    for src, rs in sources.items()], ""]
+    lines += ["| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["batch"], r["mode"])):
         status = r.get("status", "")
