@@ -5,6 +5,7 @@
 #   tests          GPU tests of the runtime and tuner (tests/test_gpu.py, tests/test_gpu_tuner.py)
 #   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
 #   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3, resnet50)
+#   fused-no-reuse:MODEL, csan-no-reuse:MODEL   the same with buffer_reuse=False
 #   wrappers       copy a few of inductor's generated wrappers (python files with a call function) to $OUT
 #   zoo-giants     the two largest torchvision models on the CPU (they need >23 GB of RAM), in the background
 #   bench          bench_train.py: the README's runtime table (3 models, all batches, 2/4/8 streams)
@@ -29,10 +30,14 @@ for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
     tests) pytest_cuda tests/test_gpu.py tests/test_gpu_tuner.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^W1\|Warning" | tail -15 ;;
-    fused:*) pytest_cuda tests/test_gpu_backend.py -k "envelope and ${step#fused:}" 2>&1 \
+    fused:*) pytest_cuda tests/test_gpu_backend.py -k "envelope and ${step#fused:} and not no_reuse" 2>&1 \
                | tee "$OUT/gpu_fused_${step#fused:}.log" | grep -v "^W1\|Warning" | tail -8 ;;
-    csan:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#csan:}" 2>&1 \
+    fused-no-reuse:*) pytest_cuda tests/test_gpu_backend.py -k "envelope and ${step#*:} and no_reuse" 2>&1 \
+               | tee "$OUT/gpu_fused_no_reuse_${step#*:}.log" | grep -v "^W1\|Warning" | tail -8 ;;
+    csan:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#csan:} and not no_reuse" 2>&1 \
                | tee "$OUT/gpu_csan_${step#csan:}.log" | tail -5 ;;
+    csan-no-reuse:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#*:} and no_reuse" 2>&1 \
+               | tee "$OUT/gpu_csan_no_reuse_${step#*:}.log" | tail -5 ;;
     wrappers) grep -rl --include=*.py "def call(" .cache/inductor 2>/dev/null | head -40 \
                 | tar czf "$OUT/wrappers.tgz" -T - ;;
     zoo-giants) CUDA_VISIBLE_DEVICES= timeout 560 python3 -m pytest -q -p no:cacheprovider -m zoo_full \

@@ -1,7 +1,9 @@
 """Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
 
 Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--model googlenet|inception_v3|resnet50] [--compile]
-``--compile`` runs the fused path (torch.compile with the concur backend) without a graph.
+                                        [--no-buffer-reuse]
+``--compile`` runs the fused path (torch.compile with the concur backend) without a graph;
+``--no-buffer-reuse`` compiles it with ``buffer_reuse=False``.
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
 
@@ -30,7 +32,8 @@ with cuda_sanitizer():
         model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01,
                              momentum=0.9), (x, y), streams=4, cuda_graph=False, compile=fused,
-                             compile_options={"min_predicted_speedup": 1.0} if fused else None)
+                             compile_options={"min_predicted_speedup": 1.0,
+                                              "buffer_reuse": "--no-buffer-reuse" not in sys.argv} if fused else None)
     for _ in range(2):
         loss = step(torch.randn_like(x), y)
     torch.cuda.synchronize()

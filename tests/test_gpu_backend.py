@@ -23,8 +23,14 @@ from tests.test_gpu import MODELS, ROOT, _loss, _train, exact_math  # noqa: F401
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
 
+# buffer_reuse=False (more kernels overlap) becomes the default once both settings pass here:
+# -k "envelope and googlenet and no_reuse" runs the new one alone
+REUSE = pytest.mark.parametrize("buffer_reuse", [True, False], ids=["reuse", "no_reuse"])
+
+
+@REUSE
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_fused_train_step_matches_eager_within_compiles_own_envelope(name):
+def test_fused_train_step_matches_eager_within_compiles_own_envelope(name, buffer_reuse):
     torch._inductor.config.fallback_random = True  # dropout masks as in eager
     make, size, batch = MODELS[name]
     torch.manual_seed(0)
@@ -41,7 +47,7 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name):
         model = copy.deepcopy(base)
         opt = make_opt(model.parameters())
         step = concur.train_step(model, _loss, opt, batches[0], streams=streams, compile=True,
-                                 compile_options={"min_predicted_speedup": 1.0})
+                                 compile_options={"min_predicted_speedup": 1.0, "buffer_reuse": buffer_reuse})
         results[streams], updates[streams] = _train_noting_first_update(model, opt, batches, step)
         if streams == 4:
             infos = step.backends[4].graphs
@@ -78,9 +84,12 @@ def _train_noting_first_update(model, opt, batches, step=None):
     losses += _train(model, opt, batches[1:], step)
     return torch.tensor(losses), update
 
+@REUSE
 @pytest.mark.parametrize("model", ["googlenet", "inception_v3", "resnet50"])
-def test_fused_path_under_the_sanitizer_reports_no_race(model):
-    result = subprocess.run([sys.executable, "-m", "tests.gpu_sanitized_run", "--compile", "--model", model],
+def test_fused_path_under_the_sanitizer_reports_no_race(model, buffer_reuse):
+    no_reuse = [] if buffer_reuse else ["--no-buffer-reuse"]
+    result = subprocess.run([sys.executable, "-m", "tests.gpu_sanitized_run", "--compile", "--model", model,
+                             *no_reuse],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr[-3000:]
