@@ -233,3 +233,21 @@ def test_without_matplotlib_the_report_keeps_its_tables_and_warns_once(tmp_path,
     assert len(caught) == 1 and list(tmp_path.glob("*.png")) == []
     page = html_path.read_text()
     assert 'data-key="summary.0.tuned_vs_best"' in page and "data:image/png" not in page
+
+
+def test_utilization_plot_gives_a_phase_one_colour_in_every_panel(tmp_path, monkeypatch):
+    """A phase with utilization but no samples must not shift the other phases' colours in the lower panels."""
+    from concur import report
+    from concur.monitor import Mark, MonitorRecord, Sample, UtilizationSample
+
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)
+    record = MonitorRecord(available=True, device="gpu", duration_s=2.0,
+                           samples=[Sample(1.2, 500.0, 1980.0, 300.0), Sample(1.6, 510.0, 1980.0, 300.0)],
+                           utilization=[UtilizationSample(0.2, 20.0), UtilizationSample(1.3, 98.0)],
+                           marks=[Mark(0.0, "first, no samples"), Mark(1.0, "second")])
+    assert report.plot_utilization(record, "t", tmp_path / "u.png") == tmp_path / "u.png"
+    util, clock, memory = figures[0].axes
+    colour = lambda ax, label: next(line.get_color() for line in ax.get_lines() if line.get_label() == label)  # noqa: E731
+    assert colour(util, "second") == colour(clock, "second") == colour(memory, "second") == "C1"
+    assert "device memory" in memory.get_ylabel()
