@@ -6,6 +6,10 @@
 #   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
 #   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3, resnet50)
 #   fused-no-reuse:MODEL, csan-no-reuse:MODEL   the same with buffer_reuse=False
+#   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
+#                  greps its source and packs torch/_inductor's top-level modules to $OUT/inductor_src.tgz
+#   capture-wrappers  golden wrappers + scheduler oracle (experiments/capture_wrappers.py), 6 in parallel,
+#                  packed to $OUT/wrappers_cuda.tgz
 #   wrappers       copy a few of inductor's generated wrappers (python files with a call function) to $OUT
 #   zoo-giants     the two largest torchvision models on the CPU (they need >23 GB of RAM), in the background
 #   bench          bench_train.py: the README's runtime table (3 models, all batches, 2/4/8 streams)
@@ -38,6 +42,18 @@ for step in "$@"; do
                | tee "$OUT/gpu_csan_${step#csan:}.log" | tail -5 ;;
     csan-no-reuse:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#*:} and no_reuse" 2>&1 \
                | tee "$OUT/gpu_csan_no_reuse_${step#*:}.log" | tail -5 ;;
+    probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
+             grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
+               "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20
+             python3 -c "import torch; print('torch.ops.streams:', hasattr(torch.ops, 'streams') and [n for n in dir(torch.ops.streams) if not n.startswith('_')])" 2>&1 | tee -a "$OUT/probe_streams.txt"
+             tar czf "$OUT/inductor_src.tgz" -C "$src/.." _inductor/graph.py _inductor/scheduler.py _inductor/ir.py \
+               _inductor/lowering.py _inductor/codegen/wrapper.py $(cd "$src/.." && ls _inductor/stream*.py 2>/dev/null) ;;
+    capture-wrappers) rm -rf /tmp/wr; for m in googlenet inception_v3 resnet50; do for p in fp32 bf16_cl; do
+               timeout 540 python3 -m experiments.capture_wrappers --device cuda --models $m --precisions $p \
+                 --out /tmp/wr > "$OUT/capture_${m}_$p.log" 2>&1 &
+             done; done; wait; grep -h "wrote\|FAILED" "$OUT"/capture_*.log
+             tar czf "$OUT/wrappers_cuda.tgz" -C /tmp/wr . ; tar czf "$OUT/capture_logs.tgz" -C "$OUT" $(cd "$OUT"; ls capture_*.log)
+             rm -f "$OUT"/capture_*.log ;;
     wrappers) grep -rl --include=*.py "def call(" .cache/inductor 2>/dev/null | head -40 \
                 | tar czf "$OUT/wrappers.tgz" -T - ;;
     zoo-giants) CUDA_VISIBLE_DEVICES= timeout 560 python3 -m pytest -q -p no:cacheprovider -m zoo_full \

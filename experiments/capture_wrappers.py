@@ -1,0 +1,168 @@
+"""Capture inductor's generated wrappers, with inductor's own read/write sets, as golden test fixtures.
+
+For each model, precision and graph (forward, backward) this writes, under
+``--out/<torch version>-<device>/<model>_<precision>_<graph>/``:
+
+- ``wrapper.py.gz``: the module inductor generated (its ``call`` function and kernels),
+- ``oracle.json.gz``: what inductor's scheduler says each scheduled node reads and writes
+  (``read_writes``, buffer names), with the fx nodes it came from, taken from the scheduler
+  itself and not from the wrapper text, so a parser of the wrapper can be checked against it,
+- ``meta.json``: torch version, device, model, input shape.
+
+    python -m experiments.capture_wrappers --device cuda --out tests/fixtures/wrappers
+    python -m experiments.capture_wrappers --device cpu --models small --out tests/fixtures/wrappers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+def _models(device: str) -> dict:
+    import torchvision
+
+    big = {
+        "googlenet": (lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False,
+                                                           dropout=0.0), 224 if device == "cuda" else 64),
+        "inception_v3": (lambda: torchvision.models.inception_v3(weights=None, aux_logits=False,
+                                                                 init_weights=False, dropout=0.0),
+                         299 if device == "cuda" else 75),
+        "resnet50": (lambda: torchvision.models.resnet50(weights=None), 224 if device == "cuda" else 64),
+    }
+    return big
+
+
+def _scheduler_oracle(records: list) -> object:
+    """Patch Scheduler.codegen to record each scheduled node's reads and writes before code is emitted."""
+    from torch._inductor import scheduler as sched
+
+    original = sched.Scheduler.codegen
+
+    def names(deps) -> list[str]:
+        return sorted({getattr(d, "name", str(d)) for d in deps})
+
+    def node_record(node) -> dict:
+        rw = node.read_writes
+        snodes = node.get_nodes() if hasattr(node, "get_nodes") else [node]
+        origins = set()
+        for s in snodes:
+            ir = getattr(s, "node", None)
+            origins |= {o.name for o in getattr(ir, "origins", ()) or ()}
+        outputs = []
+        for s in snodes:
+            for fn in ("get_buffer_names", "get_names"):
+                if hasattr(s, fn):
+                    outputs += sorted(getattr(s, fn)())
+                    break
+        return {
+            "name": node.get_name(),
+            "type": type(node).__name__,
+            "extern": bool(node.is_extern()) if hasattr(node, "is_extern") else None,
+            "reads": names(rw.reads),
+            "writes": names(rw.writes),
+            "outputs": sorted(set(outputs)),
+            "origins": sorted(origins),
+            "mutations": sorted(set().union(*[getattr(getattr(s, "node", None), "get_mutation_names",
+                                                              lambda: [])() for s in snodes])),
+        }
+
+    def codegen(self, *args, **kwargs):
+        records.append({
+            "nodes": [node_record(n) for n in self.nodes],
+            "mutation_renames": {k: v for k, v in getattr(self, "mutation_renames", {}).items()},
+            "removed_buffers": sorted(getattr(self, "removed_buffers", set()) or ()),
+        })
+        return original(self, *args, **kwargs)
+
+    sched.Scheduler.codegen = codegen
+    return original
+
+
+def capture(model_name: str, make, size: int, precision: str, device: str, out: Path, batch: int) -> list[str]:
+    from concur import _torch_compat as compat
+
+    records: list = []
+    original = _scheduler_oracle(records)
+    graphs: list[tuple[bool, str, dict]] = []
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        start = len(records)
+        compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        source, *_ = compat.inductor_wrapper(compiled)
+        oracle = records[start:] if len(records) > start else []
+        graphs.append((bool(kwargs.get("is_backward", False)), source,
+                       {"scheduler": oracle, "fx_code": gm.code}))
+        return compiled
+
+    def backend(gm, example_inputs):
+        return compat.inductor_compile_fx(gm, example_inputs, inner)
+
+    torch.manual_seed(0)
+    model = make().to(device).train()
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    if precision == "bf16_cl":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    compiled = torch.compile(model, backend=backend)
+    try:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16_cl"):
+            out_ = compiled(x)
+            logits = out_[0] if isinstance(out_, tuple) else out_
+            loss = nn.functional.cross_entropy(logits.float(), y)
+        loss.backward()
+    finally:
+        from torch._inductor import scheduler as sched
+        sched.Scheduler.codegen = original
+        torch._dynamo.reset()
+    written = []
+    tag = f"torch{torch.__version__.split('+')[0]}-{device}"
+    for i, (is_backward, source, oracle) in enumerate(graphs):
+        name = f"{model_name}_{precision}_{'bwd' if is_backward else 'fwd'}" + (f"{i}" if len(graphs) > 2 else "")
+        d = out / tag / name
+        d.mkdir(parents=True, exist_ok=True)
+        with gzip.open(d / "wrapper.py.gz", "wt") as f:
+            f.write(source)
+        with gzip.open(d / "oracle.json.gz", "wt") as f:
+            json.dump(oracle["scheduler"], f)
+        (d / "meta.json").write_text(json.dumps({
+            "torch": torch.__version__, "device": device,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+            "model": model_name, "precision": precision, "batch": batch, "size": size,
+            "graph": "backward" if is_backward else "forward"}, indent=1))
+        with gzip.open(d / "fx_graph.py.gz", "wt") as f:
+            f.write(oracle["fx_code"])
+        written.append(str(d))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    p.add_argument("--models", nargs="*", default=None, help="default: googlenet inception_v3 resnet50")
+    p.add_argument("--precisions", nargs="*", default=["fp32", "bf16_cl"], help="fp32 and/or bf16_cl")
+    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    p.add_argument("--out", type=Path, default=Path("tests/fixtures/wrappers"), help="output folder")
+    a = p.parse_args(argv)
+    models = _models(a.device)
+    for name in a.models or list(models):
+        make, size = models[name]
+        for precision in a.precisions:
+            try:
+                for d in capture(name, make, size, precision, a.device, a.out, a.batch):
+                    print("wrote", d, flush=True)
+            except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
+                print(f"FAILED {name} {precision}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
