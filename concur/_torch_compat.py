@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Callable, Iterator
 
 import torch
 
 MIN_TORCH = (2, 4)
+# The torch.compile backend reads inductor's generated code, which no release promises to keep:
+# these (major, minor) bounds, inclusive, are the releases it was tested on (2.11 on the H100,
+# 2.13 and 2.14 on the CPU). Outside them it warns once and relies on failing closed.
+TESTED_TORCH = ((2, 11), (2, 14))
 
 
 def torch_version() -> tuple[int, int]:
@@ -59,14 +64,35 @@ def cuda_sanitizer() -> Iterator[None]:
 
 
 # --- torch.compile internals used by concur.backend -------------------------------------------
-# Tested on torch 2.11 (GPU machine) and 2.14 (CI). Each accessor imports lazily so that
-# `import concur` never pays for (or breaks on) inductor.
+# Tested on TESTED_TORCH. Each accessor imports lazily so that `import concur` never pays for (or
+# breaks on) inductor.
+
+_warned_untested: list[tuple[int, int]] = []  # the version warned about, once per process
+
+
+def untested_torch() -> str | None:
+    """Return why the installed torch is outside :data:`TESTED_TORCH` for the compile backend, or None."""
+    version, (low, high) = torch_version(), TESTED_TORCH
+    if low <= version <= high:
+        return None
+    return (f"torch {torch.__version__} is outside the range concur's torch.compile backend was tested on "
+            f"({low[0]}.{low[1]} to {high[0]}.{high[1]}): inductor's generated code may have changed, so every "
+            "graph whose wrapper concur does not fully read runs as plain inductor output (with a warning)")
+
+
+def warn_if_untested_torch() -> None:
+    """Warn once per process if the installed torch is outside :data:`TESTED_TORCH`."""
+    reason = untested_torch()
+    if reason is not None and not _warned_untested:
+        _warned_untested.append(torch_version())
+        warnings.warn(f"concur backend: {reason}", stacklevel=3)
 
 def _compile_internal(what: str, exc: Exception) -> RuntimeError:
+    low, high = TESTED_TORCH
     return RuntimeError(
         f"concur's torch.compile backend needs {what}, which torch {torch.__version__} does not "
-        f"provide ({type(exc).__name__}: {exc}). It is tested on torch 2.11 and 2.14; use "
-        "backend='inductor' or concur.train_step(compile=False) on this version.")
+        f"provide ({type(exc).__name__}: {exc}). It is tested on torch {low[0]}.{low[1]} to "
+        f"{high[0]}.{high[1]}; use backend='inductor' or concur.train_step(compile=False) on this version.")
 
 
 def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: list, inner_compile) -> object:
@@ -82,7 +108,7 @@ def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: list, inner_co
     import torch._functorch.config as functorch_config
 
     # AOTAutograd's cache stores inductor's *whole-graph* output keyed without the inner compiler:
-    # a hit would silently skip concur's segments, so it stays off for this compile.
+    # a hit would silently skip concur's placement of the kernels, so it stays off for this compile.
     patch = {"enable_autograd_cache": False} if hasattr(functorch_config, "enable_autograd_cache") else {}
     with functorch_config.patch(patch):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
@@ -121,55 +147,6 @@ def inductor_buffer_reuse(enabled: bool) -> Iterator[None]:
         raise _compile_internal("torch._inductor.config.allow_buffer_reuse", exc) from exc
     with config.patch(allow_buffer_reuse=enabled):
         yield
-
-
-@contextlib.contextmanager
-def private_output_strides() -> Iterator[None]:
-    """Keep segment compilations from reporting output strides for the whole graph.
-
-    Inductor reports a compiled graph's output strides to AOTAutograd through
-    the TracingContext, which asserts the list is empty; compiling several
-    segments inside one graph's compile would trip it. The graph's own outputs
-    keep their traced strides (every segment output is user-visible), so
-    nothing needs reporting.
-    """
-    try:
-        from torch._guards import TracingContext
-    except ImportError as exc:  # pragma: no cover
-        raise _compile_internal("torch._guards.TracingContext", exc) from exc
-    with TracingContext.report_output_strides():
-        yield
-
-
-@contextlib.contextmanager
-def deferred_kernel_compiles() -> Iterator[None]:
-    """Let inductor compile the kernels of several graphs at once, waiting for them at the end.
-
-    Each graph inductor compiles submits its Triton (or C++) kernels to its
-    pool of compile workers, and its generated module waits for them when it
-    is loaded (``AsyncCompile.wait``). One call per segment would wait once
-    per segment, leaving the pool idle while the next segment is lowered; here
-    the waits are collected and run after the block, so the kernels of all
-    segments compile side by side, as the kernels of one whole graph do. No
-    segment runs before the block ends; a kernel that fails to compile raises
-    at the end of the block.
-    """
-    try:
-        from torch._inductor.async_compile import AsyncCompile
-    except ImportError as exc:  # pragma: no cover
-        raise _compile_internal("torch._inductor.async_compile.AsyncCompile", exc) from exc
-    wait = AsyncCompile.__dict__.get("wait")
-    if wait is None:  # pragma: no cover - a torch without the hook: wait per graph, as inductor does
-        yield
-        return
-    pending: list[tuple[object, dict]] = []
-    AsyncCompile.wait = lambda compiler, scope: pending.append((compiler, scope))
-    try:
-        yield
-    finally:
-        AsyncCompile.wait = wait
-    for compiler, scope in pending:
-        wait(compiler, scope)
 
 
 def _is_generated_call(fn: object) -> bool:
@@ -236,19 +213,6 @@ def compile_phase_seconds() -> dict[str, float]:
     except ImportError:  # pragma: no cover
         return {}
     return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
-
-
-def inductor_optimizes_layout() -> bool:
-    """Return True if inductor may turn a convolution graph channels-last on its own (``layout_optimization``).
-
-    It decides per compiled graph, so a graph cut into segments that keep
-    their traced (NCHW) strides at the cuts converts layouts there.
-    """
-    try:
-        from torch._inductor import config
-    except ImportError:  # pragma: no cover
-        return False
-    return bool(getattr(config, "layout_optimization", False))
 
 
 def register_dynamo_backend(name: str, compiler_fn) -> None:

@@ -17,9 +17,17 @@ streams of the launches in the generated ``call`` function:
    protected with ``record_stream`` when its name dies, as in
    :mod:`concur.runtime`.
 
-:func:`plan_emission` is pure (data in, data out); :func:`build_call` turns the
-plan into a Python function in the wrapper's own namespace, so the kernels,
-autotuned configs and constants are the ones inductor already made.
+:func:`plan_emission` is pure (data in, data out) and replays its own steps
+with :func:`schedulers.replay`, the checker every schedule passes;
+:func:`build_call` turns the plan into a Python function in the wrapper's own
+namespace, so the kernels, autotuned configs and constants are the ones
+inductor already made.
+
+Whatever is not read fails closed: a launch whose ``stream=`` is not a
+raw-stream lookup made inside the rewritten region (where
+:func:`build_call` repeats it after every switch) makes the whole graph run
+as inductor made it, and a plan that statements concur cannot read
+(barriers) serialize onto one stream says which statement did it.
 """
 
 from __future__ import annotations
@@ -199,6 +207,9 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
         if others:
             at_end.append((name, others))
     _check_names(program, steps)
+    problems = schedulers.replay(dag, _issue_steps(steps)).problems
+    if problems:
+        raise ValueError(f"the rewritten call breaks a dependency (a concur bug, please report it): {problems[:3]}")
     barriers = sum(1 for s in program.launches if s.kind == "barrier")
     serial_us = schedulers.serial(dag).makespan
     ideal = serial_us / schedule.makespan if schedule.makespan > 0 else 1.0
@@ -206,6 +217,55 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     predicted = serial_us / shared if shared > 0 else 1.0
     return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(events), len(schedule.waits),
                             len(launches), barriers, ideal, predicted)
+
+
+def _issue_steps(steps: list[Emit] | tuple[Emit, ...]) -> list[tuple[str, Any]]:
+    """Return the plan's stream operations and launches as :func:`schedulers.replay` steps."""
+    out: list[tuple[str, Any]] = []
+    for step in steps:
+        if step.op in ("switch", "wait", "record"):
+            out.append((step.op, step.index))
+        elif step.op == "stmt" and step.statement.is_launch:
+            out.append(("issue", step.statement.index))
+    return out
+
+
+def check_streams(program: KernelProgram) -> None:
+    """Check that every ``stream=`` of the region names a raw-stream lookup made inside it.
+
+    :func:`build_call` repeats those lookups after each stream switch, which
+    is what moves a launch to its stream. A ``stream=`` bound anywhere else (a
+    lookup hoisted above the region, an argument, any other expression) would
+    keep its launch on the caller's stream while the events that order it go
+    to the side streams.
+
+    Raises:
+        ValueError: a ``stream=`` this module does not rebind, or a lookup it cannot repeat.
+    """
+    lookups = [s for s in program.statements if s.kind == "stream"]
+    ours = {name for s in lookups for name in s.binds}
+    rebound = {name for s in program.statements if s.kind != "stream" for name in s.binds} & ours
+    for s in lookups:
+        call = s.node.value if isinstance(s.node, ast.Assign) else None
+        if not isinstance(call, ast.Call) or call.keywords or not all(isinstance(a, ast.Constant) for a in call.args):
+            raise ValueError(f"the raw-stream lookup `{ast.unparse(s.node)}` (wrapper line {s.node.lineno}) takes "
+                             "arguments that cannot be repeated after a stream switch")
+    for s in program.statements:
+        for node in ast.walk(s.node):
+            if not isinstance(node, ast.keyword) or node.arg != "stream":
+                continue
+            value = node.value
+            if not isinstance(value, ast.Name):
+                why = "is not the name of a raw-stream lookup"
+            elif value.id not in ours:
+                why = "is not bound by a raw-stream lookup inside the rewritten region"
+            elif value.id in rebound:
+                why = "is rebound by another statement of the region"
+            else:
+                continue
+            raise ValueError(f"`{ast.unparse(s.node)[:120]}` (wrapper line {s.node.lineno}) passes "
+                             f"stream={ast.unparse(value)}, which {why}: its launch would stay on the "
+                             "caller's stream")
 
 
 def _check_names(program: KernelProgram, steps: list[Emit]) -> None:
@@ -291,31 +351,57 @@ class PlacedKernels:
 
     plan: KernelStreamPlan | None
     installed: bool
+    num_launches: int = 0
+    # why the graph keeps inductor's own call on one stream, when that is a decision (None if installed)
+    one_stream: str | None = None
+    # the first barrier of a graph its barriers serialized (it would use several streams without them)
+    serialized_by: Statement | None = None
+
+
+def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
+                        min_cost: float) -> Statement | None:
+    """Return the first barrier if, without its barriers, the launch DAG would be scheduled on several streams."""
+    barriers = [s for s in program.launches if s.kind == "barrier"]
+    rest = [v for v in dag if not dag.nodes[v]["barrier"]]
+    if not barriers or len(rest) < 2:
+        return None
+    unbarred = schedule_launches(dag.subgraph(rest).copy(), streams, scheduler, min_cost)
+    return barriers[0] if unbarred.num_streams > 1 else None
 
 
 def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int,
                   scheduler: str, min_predicted_speedup: float = 1.0) -> PlacedKernels:
     """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
 
-    The graph keeps running inductor's own call when the schedule uses one
-    stream or predicts less than ``min_predicted_speedup`` (kernels sharing
-    the device).
+    The graph keeps running inductor's own call when it has fewer than two
+    launches, when the schedule uses one stream or when it predicts less
+    than ``min_predicted_speedup`` (kernels sharing the device); the result
+    says why (``one_stream``), and names the barrier when barriers are what
+    put a branchy graph on one stream (``serialized_by``).
 
     Raises:
         ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
     """
     source, namespace, bound_to, replace = compat.inductor_wrapper(compiled)
     program = parse_wrapper(source, namespace)
-    if len(program.launches) < 2:
-        return PlacedKernels(None, False)
+    check_streams(program)
+    launches = len(program.launches)
+    if launches < 2:
+        return PlacedKernels(None, False, launches, f"{launches} kernel launch{'es' if launches != 1 else ''}: "
+                                                    "nothing to put on streams")
     dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
-    schedule = schedule_launches(dag, streams, scheduler, _MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
+    min_cost = _MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
+    schedule = schedule_launches(dag, streams, scheduler, min_cost)
     problems = schedulers.validate(dag, schedule)
     if problems:
         raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
     plan = plan_emission(program, schedule, dag)
-    if plan.num_streams == 1 or (min_predicted_speedup > 1.0 and plan.predicted_speedup < min_predicted_speedup):
-        return PlacedKernels(plan, False)
+    if plan.num_streams == 1:
+        return PlacedKernels(plan, False, launches, "the schedule uses one stream",
+                             serializing_barrier(program, dag, streams, scheduler, min_cost))
+    if min_predicted_speedup > 1.0 and plan.predicted_speedup < min_predicted_speedup:
+        return PlacedKernels(plan, False, launches, f"predicted speedup {plan.predicted_speedup:.2f}x is below "
+                                                    f"min_predicted_speedup={min_predicted_speedup:g}")
     call, _ = build_call(program, plan, namespace, bound_to)
     replace(call)
-    return PlacedKernels(plan, True)
+    return PlacedKernels(plan, True, launches)

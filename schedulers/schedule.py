@@ -38,7 +38,10 @@ from types import MappingProxyType
 import networkx as nx
 
 __all__ = [
+    "Replay",
     "Wait",
+    "replay",
+    "schedule_steps",
     "Schedule",
     "minimal_waits",
     "simulate",
@@ -147,13 +150,134 @@ def check_dag(dag: nx.DiGraph, num_streams: int) -> None:
 # Vector clocks.
 
 
+@dataclass(frozen=True)
+class Replay:
+    """What `replay` found walking an issue program: problems, and which waits added knowledge."""
+
+    unsatisfied: tuple[tuple[Hashable, Hashable], ...]  # dependencies (u, v) not known finished at v
+    problems: tuple[str, ...]  # one sentence each, unsatisfied dependencies included
+    needed: frozenset[tuple[Hashable, Hashable]]  # (event, node): the wait told node's stream about the
+    # event's producer, which neither the stream's own history nor the node's other waits did
+
+
+def replay(
+    dag: nx.DiGraph,
+    steps: Iterable[tuple[str, Hashable]],
+    free: Iterable[Hashable] = (),
+) -> Replay:
+    """Replay an issue program with vector clocks: the one checker for schedules and generated code.
+
+    `steps` are ``("switch", stream)``, ``("wait", event)``, ``("issue", node)``
+    and ``("record", event)``, in the order the CPU runs them: a schedule
+    (`validate`), concur's generated fx code and a rewritten inductor wrapper
+    are each checked by turning them into this form. A record snapshots its
+    stream's clock (the event's producer is the node last issued on that
+    stream); a wait merges the snapshot into the waiting stream. Every
+    dependency of a node must be known finished on its stream when it is
+    issued. Nodes in `free` do no device work and need no inputs (a view of a
+    parameter): they are finished as soon as issued. Steps naming a node not in
+    `dag` are reported, as are nodes issued twice or never.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph([("a", "b")])
+    >>> ok = [("issue", "a"), ("record", 0), ("switch", 1), ("wait", 0), ("issue", "b")]
+    >>> replay(dag, ok).problems
+    ()
+    >>> replay(dag, [s for s in ok if s[0] != "wait"]).problems
+    ("dependency 'a' -> 'b' is not ordered: stream 1 does not wait for 'a' on stream 0",)
+    """
+    steps = list(steps)
+    free = set(free)
+    n = max([0, *(a + 1 for op, a in steps if op == "switch")])
+    n = max(n, 1)
+    clock = [[0] * n for _ in range(n)]
+    current = 0
+    where: dict[Hashable, tuple[int, int]] = {}  # node -> (stream, 1-based position; 0 if free)
+    last_on = [None] * n  # node last issued on each stream
+    events: dict[Hashable, tuple[tuple[int, ...], Hashable]] = {}  # event -> (snapshot, producer)
+    pending: list[list[tuple[Hashable, tuple[int, ...], Hashable]]] = [[] for _ in range(n)]
+    unsatisfied: list[tuple[Hashable, Hashable]] = []
+    problems: list[str] = []
+    needed: set[tuple[Hashable, Hashable]] = set()
+    for op, arg in steps:
+        if op == "switch":
+            current = arg
+        elif op == "record":
+            events[arg] = (tuple(clock[current]), last_on[current])
+        elif op == "wait":
+            if arg not in events:
+                # a wait on an event not yet recorded is a no-op on CUDA: it adds nothing
+                problems.append(f"wait on event {arg!r} before it is recorded")
+                continue
+            pending[current].append((arg, *events[arg]))
+        elif op == "issue":
+            v, c = arg, clock[current]
+            if v not in dag:
+                problems.append(f"{v!r} is issued but not in the graph")
+                continue
+            if v in where:
+                problems.append(f"{v!r} is issued twice")
+            incoming = pending[current]
+            pending[current] = []
+            for j, (event, snap, producer) in enumerate(incoming):
+                if producer is None or producer not in where:
+                    continue
+                p, seq = where[producer]
+                others = max((o[p] for k, (_, o, _) in enumerate(incoming) if k != j), default=0)
+                if max(c[p], others) < seq:
+                    needed.add((event, v))
+            for _, snap, _ in incoming:
+                for i in range(n):
+                    if snap[i] > c[i]:
+                        c[i] = snap[i]
+            if v in free:
+                where[v] = (current, 0)
+                continue
+            for u in dag.predecessors(v):
+                if u not in where or c[where[u][0]] < where[u][1]:
+                    unsatisfied.append((u, v))
+                    s = where[u][0] if u in where else "?"
+                    problems.append(f"dependency {u!r} -> {v!r} is not ordered: stream {current} does not wait "
+                                    f"for {u!r} on stream {s}")
+            c[current] += 1
+            where[v] = (current, c[current])
+            last_on[current] = v
+        else:
+            raise ValueError(f"unknown step {op!r}")
+    missing = [v for v in dag.nodes if v not in where]
+    if missing:
+        problems.append(f"never issued: {missing[:5]!r}")
+    return Replay(tuple(unsatisfied), tuple(problems), frozenset(needed))
+
+
+def schedule_steps(order: Sequence, stream: Mapping[Hashable, int], waits: Iterable[Wait]
+                   ) -> list[tuple[str, Hashable]]:
+    """Return the issue program of a schedule for `replay`: the execution model above, events named by producer."""
+    into: dict[Hashable, list[Wait]] = defaultdict(list)
+    producers = set()
+    for w in waits:
+        into[w.consumer].append(w)
+        producers.add(w.producer)
+    steps: list[tuple[str, Hashable]] = []
+    current = 0
+    for v in order:
+        if stream[v] != current:
+            current = stream[v]
+            steps.append(("switch", current))
+        steps += [("wait", w.producer) for w in into.get(v, ())]
+        steps.append(("issue", v))
+        if v in producers:
+            steps.append(("record", v))
+    return steps
+
+
 def _walk(
     dag: nx.DiGraph,
     order: Sequence,
     stream: Mapping[Hashable, int],
     waits: Iterable[Wait],
 ) -> tuple[list[tuple[Hashable, Hashable]], set[Wait]]:
-    """Replay `order` with vector clocks.
+    """Replay `order` with vector clocks (`replay`).
 
     Returns the unsatisfied dependencies (u, v) and the waits that are locally
     needed: their producer is not known finished at the consumer through the
@@ -161,36 +285,12 @@ def _walk(
     can never be dropped (dropping other waits only removes knowledge), so only
     the rest need a full replay to test for redundancy.
     """
-    n = max(stream.values(), default=0) + 1
-    into: dict[Hashable, list[Wait]] = defaultdict(list)
-    for w in waits:
-        into[w.consumer].append(w)
-    clock = [[0] * n for _ in range(n)]
-    seq: dict[Hashable, int] = {}  # 1-based position of a node on its stream
-    snap: dict[Hashable, tuple[int, ...]] = {}
-    unsatisfied: list[tuple[Hashable, Hashable]] = []
-    needed: set[Wait] = set()
-    for v in order:
-        t = stream[v]
-        c = clock[t]
-        # A wait on an event not yet recorded is a no-op on CUDA, so it adds nothing.
-        incoming = [(w, snap[w.producer]) for w in into.get(v, ()) if w.producer in snap]
-        for j, (w, _) in enumerate(incoming):
-            p = stream[w.producer]
-            others = max((o[p] for k, (_, o) in enumerate(incoming) if k != j), default=0)
-            if max(c[p], others) < seq[w.producer]:
-                needed.add(w)
-        for _, s in incoming:
-            for i in range(n):
-                if s[i] > c[i]:
-                    c[i] = s[i]
-        for u in dag.predecessors(v):
-            if u not in seq or c[stream[u]] < seq[u]:
-                unsatisfied.append((u, v))
-        c[t] += 1
-        seq[v] = c[t]
-        snap[v] = tuple(c)
-    return unsatisfied, needed
+    waits = list(waits)
+    # a wait whose producer comes later is validate's to report; on CUDA it is a no-op
+    pos = {v: i for i, v in enumerate(order)}
+    live = [w for w in waits if pos.get(w.producer, math.inf) < pos.get(w.consumer, -1)]
+    result = replay(dag, schedule_steps(order, stream, live))
+    return list(result.unsatisfied), {w for w in live if (w.producer, w.consumer) in result.needed}
 
 
 def minimal_waits(
