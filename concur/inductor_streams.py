@@ -1,0 +1,543 @@
+"""Stamp concur's schedule onto the post-grad aten graph and let inductor emit the streams (torch >= 2.13).
+
+Since torch 2.13 inductor has stream machinery of its own, fed by
+``node.meta["custom"]["stream"]`` on the fx graph it lowers:
+
+* ``GraphLowering.run_node`` lowers each node inside its stream and realizes
+  inputs that come from another stream, so no pointwise op is inlined across;
+* ``Scheduler._populate_stream_assignments`` gives every scheduler node the
+  stream of its IR node *before* fusion, and fusion, in-place reuse and the
+  wrapper's buffer pool are all keyed by stream (nothing is fused or reused
+  across streams);
+* the Python wrapper opens ``with streamN:`` around each run of launches of
+  one stream (only on devices with streams: CPU codegen has no contexts) and
+  fetches ``streamN = _get_stream_by_index(i)`` from dynamo's table of user
+  objects, where ``i`` is the value of the stamp (an index into that table,
+  not a stream number).
+
+Inductor does *not* add events: ordering across streams comes only from
+``torch.ops.streams.record_event`` / ``wait_event`` nodes in the graph, each
+wrapped in the ``control_deps`` higher-order op so that inductor's scheduler
+cannot move a consumer above its wait (dynamo puts them there for user
+streams; AOTAutograd adds them for the backward of annotated forwards). A
+post-grad pass sees the forward and backward graphs after partitioning, so
+concur schedules each itself, as the wrapper route does, and inserts:
+
+1. a *fork*: the caller's stream records an event that each side stream
+   waits on before it reads a graph input;
+2. per value read on another stream: one event recorded right after it on
+   its stream and one wait per reading stream, the value passed *through*
+   the wait (a ``control_deps`` pass-through), so every reader on that stream
+   reads it after the wait, whatever order inductor gives them. Hence one
+   wait per (value, reading stream), not the schedule's minimal waits: those
+   lean on the order within a stream, which inductor may change;
+3. per mutation or random-op ordering edge across streams: the same, with one
+   of the later op's own inputs passed through;
+4. a *join*: each side stream records after its last ops and the caller's
+   stream waits on it, so the outputs are ready when the call returns;
+5. ``torch.ops.streams.record_stream`` for each tensor read on a stream
+   other than the one that allocated it (and each graph input read on a side
+   stream), so the caching allocator does not hand its memory to the
+   allocating stream while another still reads it. Forward and backward
+   graphs use separate side streams, so a saved activation freed during the
+   backward returns to a forward stream, whose next use waits on the caller.
+
+Stream and event objects live in dynamo's table of user objects
+(``torch._dynamo.graph_bytecode_inputs``) at fixed indices far above those
+dynamo hands out (0, 1, 2, ... per frame), so the generated code and
+inductor's FX graph cache key depend only on the graph and the options.
+Dynamo clears that table when a frame with user streams starts, so
+:class:`StreamTableCall` checks it before each call of a compiled graph and
+puts concur's objects back when they are missing; it also points the
+caller-stream index at the current stream.
+
+Not measured on a GPU: the H100 machine has torch 2.11, which lacks this
+machinery (only ``make_fallback`` of the two event ops). What is tested (on
+CPU): the stamps, the inserted syncs, the order inductor's CPU wrapper keeps
+for them, and training values. CPU codegen keeps the stamps only as fusion
+boundaries; it emits no stream contexts and the event ops cannot run there,
+so on CPU the pass stamps without syncs (for tests) or leaves the graph alone.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+import schedulers
+
+from . import _torch_compat as compat
+from .aten_dag import build_aten_dag, is_unpack, is_view, root
+from .cost import Roofline
+
+# Indices in dynamo's user-object table: far above dynamo's own (0, 1, ... per frame).
+TABLE_BASE = 1 << 30
+_DEVICE_STRIDE = 1 << 16   # per device index
+_KIND_STRIDE = 128         # forward / backward side streams
+MAX_STREAMS = _KIND_STRIDE
+EVENT_OFFSET = 2 * _KIND_STRIDE
+MAX_EVENTS = 2048          # created once per device; a graph needing more stays on one stream
+CALLER = 0                 # slot of the caller's stream (the current stream when the graph is called)
+MIN_CLUSTER_LAUNCHES = 2   # a stream switch must be worth about this many launches (an event each way)
+
+
+def stream_slot(device_index: int, backward: bool, stream: int) -> int:
+    """Return the table index of concur's side ``stream`` (>= 1), or of the caller's stream (0)."""
+    if stream == CALLER:
+        return TABLE_BASE + device_index * _DEVICE_STRIDE
+    return TABLE_BASE + device_index * _DEVICE_STRIDE + int(backward) * _KIND_STRIDE + stream
+
+
+def event_slot(device_index: int, event: int) -> int:
+    """Return the table index of event number ``event`` of a device."""
+    return TABLE_BASE + device_index * _DEVICE_STRIDE + EVENT_OFFSET + event
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """What the stamping pass schedules with; all of it goes into the pass's uuid."""
+
+    streams: int = 4
+    scheduler: str = "critical_path"
+    roofline: Roofline | None = None     # None: the route's caller must set one (the backend does)
+    min_predicted_speedup: float = 1.0
+    # Stamp CPU graphs too, without events (CPU codegen ignores streams except as fusion
+    # boundaries): for tests and to read the stamps; off, CPU graphs are left as they are.
+    stamp_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class StampResult:
+    """What the pass did to one graph (kept on the pass for inspection and tests)."""
+
+    num_nodes: int
+    num_streams: int
+    num_events: int = 0
+    num_waits: int = 0
+    num_record_streams: int = 0
+    ideal_speedup: float = 1.0
+    predicted_speedup: float = 1.0
+    reason: str | None = None                      # why the graph was left on one stream
+    stream_of: Mapping[str, int] = field(default_factory=dict, hash=False)
+
+
+# -- planning: which stream each fx node runs on -------------------------------------------------
+
+
+def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int], StampResult]:
+    """Return (stream per call_function node name, summary); an empty mapping keeps the graph on one stream.
+
+    Ops that do no arithmetic follow their data: a ``getitem`` or a view runs
+    on the stream of the op whose output it unpacks or aliases, and a view of
+    a graph input on the stream of its first reader, so no event is spent on
+    an op that launches nothing.
+    """
+    if options.roofline is None:
+        raise ValueError("StreamOptions.roofline must be set")
+    roof = options.roofline
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    dag = build_aten_dag(graph, roof)
+    if options.streams == 1 or dag.number_of_nodes() < 2:
+        return {}, StampResult(len(calls), 1, reason="one stream")
+    coarse = schedulers.coarsen(dag, min_cost=MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
+    schedule = schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, options.streams, options.scheduler))
+    serial_us = schedulers.serial(dag).makespan
+    if schedule.num_streams == 1 or schedule.makespan <= 0:
+        return {}, StampResult(len(calls), 1, reason="the schedule uses one stream")
+    ideal = serial_us / schedule.makespan
+    predicted = serial_us / schedulers.simulate_shared(dag, schedule)
+    if predicted < options.min_predicted_speedup:
+        return {}, StampResult(len(calls), 1, ideal_speedup=ideal, predicted_speedup=predicted,
+                               reason=f"predicted {predicted:.2f}x < {options.min_predicted_speedup:.2f}x")
+    problems = schedulers.validate(dag, schedule)
+    if problems:
+        raise ValueError(f"invalid schedule (a concur bug, please report it): {problems[:3]}")
+    stream = {name: int(s) for name, s in schedule.stream.items()}
+    for n in calls:  # forward: unpacks and views of an op's output follow that op
+        if is_unpack(n) or is_view(n):
+            src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            src = root(src) if src is not None else None
+            if src is not None and src.op == "call_function" and src.name in stream:
+                stream[n.name] = stream[src.name]
+    for n in reversed(calls):  # views of graph inputs: the stream of their first reader
+        if n.name not in stream or (is_view(n) and not _reads_an_op(n)):
+            readers = [stream[u.name] for u in n.users if u.name in stream]
+            stream[n.name] = readers[0] if readers else stream.get(n.name, 0)
+    used = sorted(set(stream.values()))
+    return stream, StampResult(len(calls), len(used), ideal_speedup=ideal, predicted_speedup=predicted,
+                               stream_of=dict(stream))
+
+
+def _reads_an_op(n: fx.Node) -> bool:
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return src is not None and root(src).op == "call_function"
+
+
+# -- rewriting: stamps and syncs -----------------------------------------------------------------
+
+
+def _is_graph_input(n: fx.Node) -> bool:
+    return n.op in ("placeholder", "get_attr")
+
+
+def _tensor_valued(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def existing_stream_annotations(graph: fx.Graph) -> str | None:
+    """Return why the graph already carries streams (user streams or events), or None."""
+    ops = compat.inductor_stream_ops()
+    for n in graph.nodes:
+        if isinstance(n.meta.get("custom"), dict) and "stream" in n.meta["custom"]:
+            return f"node {n.name} already has a stream annotation (user streams)"
+        if n.op == "call_function" and (n.target in ops.sync_ops or n.target is ops.control_deps):
+            return f"node {n.name} is a stream sync op ({n.target})"
+    return None
+
+
+class _Rewriter:
+    """Inserts the stamps and the syncs of one planned graph (see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, stream: Mapping[str, int], device_index: int, backward: bool,
+                 syncs: bool):
+        self.gm, self.graph = gm, gm.graph
+        self.stream = dict(stream)
+        self.device_index, self.backward, self.syncs = device_index, backward, syncs
+        self.ops = compat.inductor_stream_ops()
+        self.num_events = self.num_waits = self.num_record_streams = 0
+
+    def slot(self, s: int) -> int:
+        return stream_slot(self.device_index, self.backward, s)
+
+    def stamp(self, n: fx.Node, s: int) -> None:
+        if s != CALLER:  # unstamped nodes run on inductor's default stream: the caller's
+            custom = n.meta.setdefault("custom", {})
+            custom["stream"] = self.slot(s)
+
+    def new_event(self) -> int:
+        if self.num_events >= MAX_EVENTS:
+            raise ValueError(f"the graph needs more than {MAX_EVENTS} events")
+        self.num_events += 1
+        return event_slot(self.device_index, self.num_events - 1)
+
+    def sync(self, op: Any, op_args: tuple, deps: Sequence[fx.Node], passthrough: Sequence[fx.Node],
+             where: fx.Node, s: int) -> tuple[fx.Node, list[fx.Node]]:
+        """Insert ``control_deps(deps, op(*op_args), *passthrough)`` before ``where``, on stream ``s``.
+
+        Returns the control_deps node and one getitem per pass-through value.
+        """
+        graph = self.graph
+        with graph.inserting_before(where):
+            raw = graph.call_function(op, op_args)
+        raw.meta["val"] = None
+        self.stamp(raw, s)  # the subgraph's copy is what inductor lowers, inside this stream
+        sub = self.ops.create_subgraph_for_node(graph, raw, list(passthrough))
+        attr = self.ops.get_subgraph_name(self.gm, raw.name)
+        setattr(self.gm, attr, sub)
+        with graph.inserting_before(raw):
+            get = graph.get_attr(attr)
+            node = graph.call_function(self.ops.control_deps, (tuple(deps), get, *passthrough))
+        graph.erase_node(raw)
+        out = sub.graph.output_node().meta.get("val")
+        node.meta["val"] = out if isinstance(out, tuple) else (out,)
+        self.stamp(node, s)
+        items = []
+        with graph.inserting_after(node):
+            for i, dep in enumerate(passthrough):
+                item = graph.call_function(operator.getitem, (node, i + 1))
+                item.meta.update({k: v for k, v in dep.meta.items() if k not in ("custom", "unbacked_bindings")})
+                self.stamp(item, s)
+                items.append(item)
+        return node, items
+
+    def rewrite(self, hazards: Sequence[tuple[str, str]]) -> None:
+        graph = self.graph
+        nodes = {n.name: n for n in graph.nodes}
+        calls = [n for n in graph.nodes if n.op == "call_function"]
+        for n in calls:
+            self.stamp(n, self.stream.get(n.name, CALLER))
+        if not self.syncs:
+            return
+        output = graph.output_node()
+        # reads[(value, stream)] = the readers on that stream of a value made elsewhere
+        reads: dict[tuple[fx.Node, int], list[fx.Node]] = {}
+        for v in calls:
+            s = self.stream.get(v.name, CALLER)
+            for x in v.all_input_nodes:
+                if _is_graph_input(x):
+                    if s != CALLER:
+                        reads.setdefault((x, s), []).append(v)
+                elif x.op == "call_function" and self.stream.get(x.name, CALLER) != s:
+                    reads.setdefault((x, s), []).append(v)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        # 1. fork: side streams wait on the caller's stream before reading graph inputs
+        inputs_on: dict[int, list[fx.Node]] = {}
+        for (x, s) in reads:
+            if _is_graph_input(x):
+                inputs_on.setdefault(s, []).append(x)
+        if inputs_on:
+            fork_inputs = list(dict.fromkeys(x for xs in inputs_on.values() for x in xs))
+            anchor = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+            event = self.new_event()
+            record, _ = self.sync(self.ops.record_event, (event, self.slot(CALLER)), fork_inputs, (), anchor, CALLER)
+            for s, xs in sorted(inputs_on.items()):
+                _, items = self.sync(self.ops.wait_event, (event, self.slot(s)), (record,), xs, anchor, s)
+                self.num_waits += 1
+                for x, item in zip(xs, items):
+                    self._rewire(x, item, reads[(x, s)])
+                    self._record_stream(x, s, anchor)
+        # 2. values read on another stream: record after the value, wait before its first reader there
+        recorded: dict[fx.Node, fx.Node] = {}
+        events: dict[fx.Node, int] = {}
+        for (x, s), readers in sorted(((k, r) for k, r in reads.items() if not _is_graph_input(k[0])),
+                                      key=lambda kv: (order[kv[0][0]], kv[0][1])):
+            if x not in recorded:
+                events[x] = self.new_event()
+                recorded[x], _ = self.sync(self.ops.record_event, (events[x], self.slot(self.stream[x.name])),
+                                           (x,), (), x.next, self.stream[x.name])
+            first_reader = min(readers, key=order.__getitem__)
+            _, (item,) = self.sync(self.ops.wait_event, (events[x], self.slot(s)), (recorded[x],), (x,),
+                                   first_reader, s)
+            self.num_waits += 1
+            self._rewire(x, item, readers)
+            if _tensor_valued(x):
+                self._record_stream(_storage(x), s, first_reader)
+        # 3. ordering edges (mutations, random ops) across streams, with no data edge to carry them
+        for u_name, v_name in hazards:
+            u, v = nodes.get(u_name), nodes.get(v_name)
+            if u is None or v is None:
+                continue
+            su, sv = self.stream.get(u.name, CALLER), self.stream.get(v.name, CALLER)
+            if su == sv or u in v.all_input_nodes:
+                continue
+            carrier = next((a for a in v.all_input_nodes if _tensor_valued(a) and not self._written_by(v, a)), None)
+            if carrier is None:
+                raise ValueError(f"cannot order {v.name} after {u.name} across streams (it reads no tensor "
+                                 "it does not write)")
+            if u not in recorded:
+                events[u] = self.new_event()
+                recorded[u], _ = self.sync(self.ops.record_event, (events[u], self.slot(su)), (u,), (), u.next, su)
+            _, (item,) = self.sync(self.ops.wait_event, (events[u], self.slot(sv)), (recorded[u],), (carrier,), v, sv)
+            self.num_waits += 1
+            self._rewire(carrier, item, [v])
+        # 4. join: the caller's stream waits on every side stream before the call returns
+        for s in sorted(set(self.stream.values()) - {CALLER}):
+            on_s = [n for n in graph.nodes if n.op == "call_function" and self.stream.get(n.name) == s
+                    and n.target is not self.ops.control_deps]
+            sinks = [n for n in on_s if not any(self.stream.get(u.name) == s for u in n.users)]
+            if not sinks:
+                continue
+            event = self.new_event()
+            record, _ = self.sync(self.ops.record_event, (event, self.slot(s)), sinks, (), output, s)
+            self.sync(self.ops.wait_event, (event, self.slot(CALLER)), (record,), (), output, CALLER)
+            self.num_waits += 1
+        graph.lint()
+        self.gm.recompile()
+
+    @staticmethod
+    def _written_by(v: fx.Node, a: fx.Node) -> bool:
+        schema = getattr(v.target, "_schema", None)
+        if schema is None:
+            return False
+        for arg, value in zip(schema.arguments, v.args):
+            if value is a and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+        return any(v.kwargs.get(arg.name) is a for arg in schema.arguments
+                   if arg.alias_info is not None and arg.alias_info.is_write)
+
+    @staticmethod
+    def _rewire(x: fx.Node, item: fx.Node, readers: Sequence[fx.Node]) -> None:
+        for r in readers:
+            r.args = fx.node.map_arg(r.args, lambda a: item if a is x else a)
+            r.kwargs = fx.node.map_arg(r.kwargs, lambda a: item if a is x else a)
+
+    def _record_stream(self, x: fx.Node, s: int, where: fx.Node) -> None:
+        """Tell the caching allocator that stream ``s`` reads ``x``: its memory is reused only after ``s`` is past it."""
+        if not _tensor_valued(x):
+            return
+        if x.op == "call_function" and self.stream.get(x.name, CALLER) == s:
+            return
+        key = (x, s)
+        done = self.__dict__.setdefault("_recorded_streams", set())
+        if key in done:
+            return
+        done.add(key)
+        with self.graph.inserting_before(where):
+            n = self.graph.call_function(self.ops.record_stream, (x, self.slot(s)))
+        n.meta["val"] = None
+        self.stamp(n, s)
+        self.num_record_streams += 1
+
+
+def _storage(x: fx.Node) -> fx.Node:
+    """Return the node whose tensor ``x`` views (its allocation); an unpacked output is its own."""
+    while x.op == "call_function" and is_view(x) and x.args and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device | None:
+    """Return the one device the graph's tensors live on, or None if several (or none)."""
+    devices = {v.device for n in gm.graph.nodes for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
+    devices.discard(torch.device("meta"))
+    return next(iter(devices)) if len(devices) == 1 else None
+
+
+def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = False,
+                syncs: bool | None = None) -> StampResult:
+    """Stamp a post-grad aten graph with concur's streams and insert the syncs; return what was done.
+
+    ``syncs=None`` inserts events only on devices with streams (CUDA-like);
+    CPU graphs are stamped without them when ``options.stamp_cpu``, and left
+    alone otherwise. The graph is left untouched (one stream) when it
+    already carries streams, spans several devices, or the schedule is not
+    worth it.
+
+    Raises:
+        ValueError: the plan or the rewrite failed (the caller runs the graph unstamped).
+    """
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    reason = existing_stream_annotations(gm.graph)
+    if reason is not None:
+        return StampResult(calls, 1, reason=reason)
+    device = graph_device(gm)
+    if device is None:
+        return StampResult(calls, 1, reason="the graph's tensors are on several devices, or none")
+    has_streams = compat.device_has_streams(device)
+    if not has_streams and not options.stamp_cpu and not syncs:
+        return StampResult(calls, 1, reason=f"{device.type} has no streams")
+    stream, result = plan_streams(gm.graph, options)
+    if not stream:
+        return result
+    if syncs is None:
+        syncs = has_streams
+    dag = build_aten_dag(gm.graph, options.roofline)
+    hazards = [(u, v) for u, v, kind in dag.edges(data="kind") if kind == "hazard"]
+    rewriter = _Rewriter(gm, stream, device.index or 0, backward, syncs)
+    rewriter.rewrite(hazards)
+    return StampResult(result.num_nodes, result.num_streams, rewriter.num_events, rewriter.num_waits,
+                       rewriter.num_record_streams, result.ideal_speedup, result.predicted_speedup, None,
+                       result.stream_of)
+
+
+# -- the pass inductor runs, and the objects its code looks up -----------------------------------
+
+
+def make_stamp_pass(options: StreamOptions, backward: bool = False) -> Any:
+    """Return an inductor ``CustomGraphPass`` that stamps each graph it sees (see :func:`stamp_graph`).
+
+    Its ``uuid`` hashes the sources the stamps depend on and the options, so
+    inductor's FX graph cache keys on them: a cached graph was stamped by the
+    same code with the same options. ``pass.results`` lists what it did, one
+    :class:`StampResult` per graph it ran on (nothing on a cache hit).
+    """
+    base = compat.custom_graph_pass_base()
+
+    class StreamStampPass(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.options, self.backward = options, backward
+            self.results: list[StampResult] = []
+
+        def __call__(self, graph: fx.Graph) -> None:
+            gm = graph.owning_module
+            if gm is None:
+                self.results.append(StampResult(0, 1, reason="the graph has no owning module"))
+                return
+            try:
+                self.results.append(stamp_graph(gm, self.options, self.backward))
+            except Exception as exc:  # noqa: BLE001 - a graph we cannot stamp runs as inductor makes it
+                # the rewrite may have stopped half-way: a half-stamped graph must not reach lowering
+                raise RuntimeError(f"concur could not stamp streams onto this graph: {exc}") from exc
+
+        def uuid(self) -> bytes:
+            return compat.hash_for_files(_SOURCES, extra=f"{self.options!r} backward={self.backward}")
+
+    return StreamStampPass()
+
+
+def _sources() -> tuple[str, ...]:
+    import os
+
+    import schedulers as pkg
+
+    here = os.path.dirname(__file__)
+    sched = os.path.dirname(pkg.__file__)
+    files = [os.path.join(here, f) for f in ("inductor_streams.py", "aten_dag.py", "cost.py", "graph.py",
+                                             "annotate.py")]
+    files += sorted(os.path.join(sched, f) for f in os.listdir(sched) if f.endswith(".py"))
+    return tuple(files)
+
+
+_SOURCES = _sources()
+
+
+class _DeviceObjects:
+    """concur's side streams and events of one device, kept alive for the table's weak references.
+
+    Side streams are made only as needed (``streams - 1`` per kind): they come
+    from torch's round-robin pool of 32 per device, and forward and backward
+    streams must stay distinct for the allocator argument in the module
+    docstring.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.index = device.index or 0
+        self.streams: dict[tuple[bool, int], torch.Stream] = {}
+        self.events = [torch.Event(device=device) for _ in range(MAX_EVENTS)]
+        self.entries: dict[int, Any] = {event_slot(self.index, j): e for j, e in enumerate(self.events)}
+        self.sentinel, self.sentinel_slot = self.events[0], event_slot(self.index, 0)
+
+    def ensure(self, streams: int) -> None:
+        for kind in (False, True):
+            for s in range(1, min(streams, MAX_STREAMS)):
+                if (kind, s) not in self.streams:
+                    self.streams[(kind, s)] = stream = torch.Stream(device=self.device)
+                    slot = stream_slot(self.index, kind, s)
+                    self.entries[slot] = stream
+                    # the newest entry: while it is in the table, so are all the others
+                    self.sentinel, self.sentinel_slot = stream, slot
+
+    def install(self) -> None:
+        table = compat.external_object_table()
+        ref = table.get(self.sentinel_slot)
+        if ref is None or ref() is not self.sentinel:
+            table.update({i: weakref.ref(obj) for i, obj in self.entries.items()})
+
+
+_DEVICE_OBJECTS: dict[torch.device, _DeviceObjects] = {}
+
+
+class StreamTableCall:
+    """A compiled graph behind a step that puts concur's streams and events in dynamo's table first.
+
+    Boxed like inductor's output (one list argument). The caller-stream
+    entry is set on every call: inductor's code records and waits on the
+    stream current when it is called.
+    """
+
+    _boxed_call = True
+
+    def __init__(self, compiled: Callable, device: torch.device, streams: int):
+        self.compiled = compiled
+        self.device = device
+        if device not in _DEVICE_OBJECTS:
+            _DEVICE_OBJECTS[device] = _DeviceObjects(device)
+        self.objects = _DEVICE_OBJECTS[device]
+        self.objects.ensure(streams)
+        self.caller_slot = stream_slot(device.index or 0, False, CALLER)
+
+    def __call__(self, args: list) -> Any:
+        self.objects.install()
+        caller = torch.accelerator.current_stream(self.device)
+        compat.external_object_table()[self.caller_slot] = weakref.ref(caller)
+        return self.compiled(args)
+
+    def __getattr__(self, name: str) -> Any:  # inductor's attributes (e.g. source_code) stay readable
+        return getattr(self.compiled, name)
