@@ -8,6 +8,7 @@ message instead of a silent wrong result somewhere deep in concur.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Callable, Iterator
@@ -233,6 +234,122 @@ def has_symbolic_shapes(example_inputs: list) -> bool:
     return False
 
 
+# --- inductor's own streams (torch >= 2.13), used by concur.inductor_streams ------------------
+# torch 2.11 has none of it (only make_fallback of streams::record_event/wait_event); 2.13.0 and
+# 2.14.1 have all of it. Each accessor checks the attributes it uses, not just the version.
+
+
+def has_inductor_node_streams() -> bool:
+    """Return True if inductor lowers ``node.meta["custom"]["stream"]`` into streams (torch >= 2.13).
+
+    Checks the pieces concur's stamping pass relies on: the per-node stream
+    read by ``GraphLowering``, the scheduler's stream assignment before
+    fusion, the ``control_deps`` lowering that orders sync ops, the
+    ``torch.ops.streams`` event ops, and dynamo's table of user objects.
+    """
+    if torch_version() < (2, 13):
+        return False
+    try:
+        import torch._dynamo.variables.streams  # noqa: F401 - registers torch.ops.streams.*
+        from torch._dynamo import graph_bytecode_inputs
+        from torch._inductor.fx_passes import control_dependencies
+        from torch._inductor.graph import GraphLowering
+        from torch._inductor.scheduler import Scheduler
+        from torch._inductor import lowering
+
+        return (hasattr(GraphLowering, "_get_node_stream")
+                and hasattr(Scheduler, "_populate_stream_assignments")
+                and hasattr(control_dependencies, "_create_subgraph_for_node")
+                and hasattr(control_dependencies, "get_subgraph_name")
+                and control_dependencies.control_deps in lowering.lowerings
+                and isinstance(getattr(graph_bytecode_inputs, "index_to_external_object_weakref", None), dict)
+                and all(hasattr(torch.ops.streams, op) for op in ("record_event", "wait_event", "record_stream")))
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class InductorStreamOps:
+    """The ops and helpers a pass needs to put stream syncs in an aten graph inductor will lower."""
+
+    record_event: object
+    wait_event: object
+    record_stream: object
+    control_deps: object
+    sync_ops: tuple
+    create_subgraph_for_node: Callable
+    get_subgraph_name: Callable
+
+
+def inductor_stream_ops() -> InductorStreamOps:
+    """Return ``torch.ops.streams`` event ops, ``control_deps`` and its subgraph helpers.
+
+    Raises:
+        RuntimeError: this torch has no inductor streams (see :func:`has_inductor_node_streams`).
+    """
+    if not has_inductor_node_streams():
+        raise RuntimeError(f"torch {torch.__version__} has no inductor node streams (needs torch >= 2.13)")
+    from torch._inductor.fx_passes import control_dependencies as cd
+
+    ops = torch.ops.streams
+    sync = tuple(getattr(ops, name).default for name in
+                 ("record_event", "wait_event", "wait_stream", "synchronize_event", "synchronize_stream",
+                  "synchronize_device", "record_stream", "sync_dealloc", "fork", "join") if hasattr(ops, name))
+    return InductorStreamOps(ops.record_event.default, ops.wait_event.default, ops.record_stream.default,
+                             cd.control_deps, sync, cd._create_subgraph_for_node, cd.get_subgraph_name)
+
+
+def external_object_table() -> dict:
+    """Return dynamo's table of user objects (index -> weakref) that inductor's stream code reads.
+
+    ``torch._dynamo.graph_bytecode_inputs.index_to_external_object_weakref``:
+    the generated wrapper calls ``_get_stream_by_index(i)`` on it, and dynamo
+    clears and refills it (in place) when a frame with user streams starts.
+    """
+    from torch._dynamo import graph_bytecode_inputs
+
+    table = getattr(graph_bytecode_inputs, "index_to_external_object_weakref", None)
+    if not isinstance(table, dict):
+        raise RuntimeError(f"torch {torch.__version__} has no dynamo user-object table")
+    return table
+
+
+def device_has_streams(device: torch.device) -> bool:
+    """Return True if inductor emits stream contexts for this device type (its ``device_need_guard``)."""
+    try:
+        from torch._inductor.utils import device_need_guard
+    except ImportError:  # pragma: no cover
+        return device.type == "cuda"
+    return bool(device_need_guard(device.type))
+
+
+def custom_graph_pass_base() -> type:
+    """Return inductor's ``CustomGraphPass`` (a pass with a ``uuid`` the FX graph cache keys on)."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError as exc:  # pragma: no cover
+        raise _compile_internal("torch._inductor.custom_graph_pass.CustomGraphPass", exc) from exc
+    return CustomGraphPass
+
+
+def hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:
+    """Return inductor's hash of some source files and a string (``get_hash_for_files``), for a pass's uuid."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(paths, extra)
+
+
+@contextlib.contextmanager
+def post_grad_custom_post_pass(custom_pass: object) -> Iterator[None]:
+    """Run ``custom_pass`` last among inductor's post-grad passes, after any the user set."""
+    from torch._inductor import config
+
+    existing = config.post_grad_custom_post_pass
+    passes = () if existing is None else tuple(existing) if isinstance(existing, (list, tuple)) else (existing,)
+    with config.patch(post_grad_custom_post_pass=[*passes, custom_pass]):
+        yield
+
+
 # --- GradScaler and fused optimizers, used by concur.train -----------------------------------
 
 
@@ -274,3 +391,13 @@ def enable_device_side_amp_skip(optimizer: torch.optim.Optimizer) -> bool:
         group["fused"], group["foreach"] = True, False
     optimizer._step_supports_amp_scaling = True
     return True
+
+
+def note_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell lr schedulers that the optimizer stepped when concur's captured update stood in for ``step()``.
+
+    ``LRScheduler`` wraps ``optimizer.step`` to set the private flag
+    ``_opt_called`` and warns on its first ``step()`` if it is unset
+    ("Detected call of lr_scheduler.step() before optimizer.step()").
+    """
+    optimizer._opt_called = True
