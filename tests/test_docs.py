@@ -156,8 +156,9 @@ class _Finder(ast.NodeVisitor):
         name = _callee(node)
         if _ERROR_CLASS.search(name) and not name.endswith("Warning"):
             self._add(node, "error")  # built here, raised here or by the caller
-        elif _WARN_CALL.search(name) and name not in _NOT_EMITTING:
-            self._add(node, "warning")
+        elif _WARN_CALL.search(name) and name not in _NOT_EMITTING and node.args and (
+                name == "warn" or isinstance(node.args[0], (ast.Constant, ast.JoinedStr, ast.BinOp, ast.Name))):
+            self._add(node, "warning")  # warn(...), or a helper given a message (not one given a key)
         self.generic_visit(node)
 
     def _add(self, call: ast.Call, kind: str) -> None:
@@ -198,7 +199,7 @@ def troubleshooting_keys() -> dict[str, str]:
 
 def _has_words(text: str) -> bool:
     """True if the text says something beyond a prefix such as "concur backend:" and values."""
-    return bool(re.search(r"[A-Za-z]{3}", re.sub(r"^concur[\w. ]*:", "", text).replace("{}", "")))
+    return bool(re.search(r"[A-Za-z]{3}", re.sub(r"^concur(?:[. ]\w+){0,2}:", "", text).replace("{}", "")))
 
 
 def test_every_message_is_read_from_the_source():
