@@ -43,6 +43,11 @@ _VIEWS = {"reinterpret_tensor", "as_strided", "alias"}
 _HOST_CHECKS = {"assert_size_stride", "assert_size_stride_grouped", "assert_tensor_metadata",
                 "assert_alignment", "check_alignment", "set_device"}  # host-side only: no kernel
 _STREAM_GETTERS = {"get_raw_stream"}
+# ``buf.zero_()``: how inductor zeroes a workspace or the graph's semaphores before the kernels using them
+_INPLACE_METHODS = {"zero_"}
+# extern kernels that write only their ``out=`` (and the tensor they return); any other writes every argument
+_EXTERN_OUT_ONLY = {"convolution", "mm", "addmm", "bmm", "baddbmm", "bias_addmm", "_int_mm", "_mm_plus_mm",
+                    "mm_dtype", "bmm_dtype", "_scaled_mm", "conv1x1_via_mm"}
 
 
 @dataclass
@@ -99,23 +104,129 @@ class KernelSignature:
 
 
 _MUTATED = re.compile(r"['\"]mutated_arg_names['\"]\s*:\s*\[([^\]]*)\]")
+_TRITON_LOADS = {"tl.load"}  # the only uses of a pointer that cannot write through it
+
+
+def _triton_pointer_types(fn: ast.FunctionDef) -> dict[str, str]:
+    """Return ``triton_meta['signature']`` (parameter -> triton type) from the kernel's decorator, if present."""
+    for decorator in fn.decorator_list:
+        if not isinstance(decorator, ast.Call):
+            continue
+        for keyword in decorator.keywords:
+            if keyword.arg != "triton_meta" or not isinstance(keyword.value, ast.Dict):
+                continue
+            for key, value in zip(keyword.value.keys, keyword.value.values):
+                if isinstance(key, ast.Constant) and key.value == "signature" and isinstance(value, ast.Dict):
+                    return {str(k.value): str(v.value) for k, v in zip(value.keys, value.values)
+                            if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    return {}
+
+
+def _is_scalar_param(arg: ast.arg, types: Mapping[str, str]) -> bool:
+    """A parameter the kernel cannot write through: a ``tl.constexpr``, or a non-pointer in triton_meta."""
+    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    if annotation.endswith("constexpr"):
+        return True
+    kind = types.get(arg.arg)
+    return kind is not None and not kind.startswith("*")
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+
+
+def _only_loaded(fn: ast.FunctionDef, param: str, parents: Mapping[ast.AST, ast.AST]) -> bool:
+    """Whether every use of pointer ``param`` in the kernel body is the address of a ``tl.load``.
+
+    The pointer may be offset (``in_ptr0 + x0``, ``A[:, None]``) and bound to
+    locals on the way (``A = arg_A``; ``A += BLOCK_K``), which are followed.
+    Any other use (``tl.store``, an atomic, a helper call such as
+    ``triton_helpers.x_grid_barrier(sem_ptr)``, a block pointer, a
+    comparison) is taken as a possible write: a write is assumed unless this
+    function proves there is none.
+    """
+    derived = {param}
+    names = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    checked: set[int] = set()
+    while True:
+        pending = [n for n in names if n.id in derived and id(n) not in checked]
+        if not pending:
+            return True
+        for name in pending:
+            checked.add(id(name))
+            child, parent = name, parents.get(name)
+            while isinstance(parent, ast.BinOp) or (isinstance(parent, ast.Subscript) and parent.value is child):
+                child, parent = parent, parents.get(parent)
+            if isinstance(parent, ast.Call) and _dotted(parent.func) in _TRITON_LOADS and (
+                    (parent.args and parent.args[0] is child)
+                    or any(k.arg == "pointer" and k.value is child for k in parent.keywords)):
+                continue
+            if isinstance(parent, ast.Assign) and parent.value is child and len(parent.targets) == 1 \
+                    and isinstance(parent.targets[0], ast.Name):
+                derived.add(parent.targets[0].id)  # a local holding the pointer plus an offset
+                continue
+            if isinstance(parent, ast.AugAssign) and parent.value is child and isinstance(parent.target, ast.Name):
+                derived.add(parent.target.id)
+                continue
+            if isinstance(parent, ast.Attribute) and parent.attr == "dtype" and parent.value is child:
+                continue  # ``in_ptr0.dtype.element_ty``: metadata, no memory access
+            return False
 
 
 def _triton_signature(source: str) -> KernelSignature | None:
+    """Parse a triton kernel's source; what it may write is established from its body.
+
+    A pointer parameter counts as read-only only when :func:`_only_loaded`
+    proves it; every other pointer (``out_ptr*``, ``in_out_ptr*``, but also
+    ``sem_ptr``, ``ws_ptr`` or any name inductor adds later) counts as
+    written. ``mutated_arg_names`` and the ``out_ptr`` / ``in_out_ptr`` names
+    are added on top, so the body can only add writes, never remove them.
+    """
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return None
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef)), None)
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    fn = next((n for n in functions if any("jit" in ast.unparse(d) for d in n.decorator_list)),
+              functions[0] if functions else None)
     if fn is None:
         return None
     params = tuple(a.arg for a in fn.args.args)
+    if fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.args.posonlyargs:
+        return None
     mutated = set()
     match = _MUTATED.search(source)
     if match:
         mutated = {m.strip().strip("'\"") for m in match.group(1).split(",") if m.strip()}
+    types = _triton_pointer_types(fn)
+    parents = _parents(fn)
     written = {p for p in params if p.startswith(("out_ptr", "in_out_ptr"))} | (mutated & set(params))
+    written |= {a.arg for a in fn.args.args
+                if not _is_scalar_param(a, types) and not _only_loaded(fn, a.arg, parents)}
     return KernelSignature(params, frozenset(written))
+
+
+_CPP_SCALARS = {"bool", "char", "int", "long", "float", "double", "int8_t", "int16_t", "int32_t", "int64_t",
+                "uint8_t", "uint16_t", "uint32_t", "uint64_t", "size_t", "c10::BFloat16", "c10::Half",
+                "bfloat16", "half", "at::BFloat16", "at::Half"}
+
+
+def _cpp_param_written(ctype: str) -> bool:
+    """Whether a C++ kernel parameter of type ``ctype`` may be written through.
+
+    A pointer is read-only only when what it points to is ``const``
+    (``const float*``, ``float const*``; ``float* const`` is a const pointer to
+    writable floats); a by-value scalar cannot be written; any other type (a
+    reference, a tensor, something unknown) counts as written.
+    """
+    text = " ".join(ctype.replace("__restrict__", " ").split())
+    if "*" in text:
+        pointee = text.split("*", 1)[0]
+        return "const" not in pointee.split()
+    if "&" in text:
+        return True
+    base = " ".join(w for w in text.split() if w not in ("const", "volatile"))
+    return base not in _CPP_SCALARS
 
 
 def kernel_signatures(module_source: str) -> dict[str, KernelSignature]:
@@ -133,9 +244,11 @@ def kernel_signatures(module_source: str) -> dict[str, KernelSignature]:
             if sig is not None:
                 found[name] = sig
         elif how == "cpp_pybinding" and call.args and isinstance(call.args[0], (ast.List, ast.Tuple)):
-            types = [str(e.value) for e in call.args[0].elts if isinstance(e, ast.Constant)]
+            if not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in call.args[0].elts):
+                continue  # types we cannot read: the launch stays a barrier
+            types = [str(e.value) for e in call.args[0].elts]
             params = tuple(f"arg{i}" for i in range(len(types)))
-            written = {p for p, t in zip(params, types) if "*" in t and "const" not in t}
+            written = {p for p, t in zip(params, types) if _cpp_param_written(t)}
             found[name] = KernelSignature(params, frozenset(written))
     return found
 
@@ -288,6 +401,32 @@ def parse_wrapper(module_source: str, namespace: Mapping[str, Any]) -> KernelPro
     return KernelProgram(fn, body, start, end, statements, inputs, _outputs(fn), body is not fn.body)
 
 
+def source_namespace(module_source: str) -> dict[str, Any]:
+    """Return what the wrapper's top level binds to torch objects (``aten = torch.ops.aten``), without running it.
+
+    :func:`parse_wrapper` needs a namespace only to find the schemas of aten
+    fallbacks; kernels are read from their source. Only assignments whose
+    value is an attribute chain of ``torch`` are resolved (nothing is called
+    or imported), so a wrapper checked in as a test fixture can be parsed on
+    any machine; a name not resolved here leaves its calls as barriers.
+    """
+    namespace: dict[str, Any] = {"torch": torch}
+    for node in ast.parse(module_source).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Attribute)):
+            dotted = _dotted(node.value)
+            if dotted is not None and dotted.startswith("torch."):
+                value = _resolve(dotted, {"torch": torch})
+                if value is not None:
+                    namespace[node.targets[0].id] = value
+    return namespace
+
+
+def parse_wrapper_source(module_source: str) -> KernelProgram:
+    """Parse a wrapper from its source alone (golden fixtures, tools): :func:`parse_wrapper` with :func:`source_namespace`."""
+    return parse_wrapper(module_source, source_namespace(module_source))
+
+
 def _group_set(names: set[str], groups: _Groups) -> set[str]:
     return {g for g in (groups.get(n) for n in names) if g is not None}
 
@@ -358,16 +497,26 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
             return _barrier(index, node, groups)
         pairs = list(zip(signature.params, call.args))
         pairs += [(k.arg, k.value) for k in call.keywords if k.arg in signature.params]
+        # launch options (``stream=stream0``) name no storage; a storage passed any other way counts as written
+        pairs += [(None, k.value) for k in call.keywords if k.arg not in signature.params]
         for param, arg in pairs:
             touched = _group_set(_names(arg), groups)
             reads |= touched
-            if param in signature.written:
+            if param is None or param in signature.written:
                 writes |= touched
     elif func.startswith("extern_kernels."):
         reads = _group_set(uses, groups)
-        out = next((k.value for k in call.keywords if k.arg == "out"), None)
-        if out is not None:
-            writes = _group_set(_names(out), groups)
+        if func[len("extern_kernels."):] in _EXTERN_OUT_ONLY:
+            out = next((k.value for k in call.keywords if k.arg == "out"), None)
+            if out is not None:
+                writes = _group_set(_names(out), groups)
+        else:  # an extern kernel whose writes we do not know: everything it is given may be written
+            writes = set(reads)
+    elif (isinstance(call.func, ast.Attribute) and call.func.attr in _INPLACE_METHODS
+          and isinstance(call.func.value, ast.Name) and groups.get(call.func.value.id) is not None
+          and target is None):
+        reads = _group_set(uses, groups)
+        writes = _group_set({call.func.value.id}, groups)
     elif isinstance(op, torch._ops.OpOverload):
         reads = _group_set(uses, groups)
         schema = op._schema

@@ -26,8 +26,39 @@ import torch
 import torch.nn as nn
 
 
+def _torchvision_models():
+    """Return ``torchvision.models``, even where torchvision's C extension does not load.
+
+    PyPI's torchvision for torch 2.13 is built against the CUDA wheel of torch;
+    beside the CPU wheel its ``_C`` does not load and ``import torchvision``
+    fails registering fake kernels for ops that do not exist. The model
+    definitions are pure Python, so they are imported without running the
+    package's ``__init__`` (no torchvision op is used by these models).
+    """
+    try:
+        import torchvision
+        return torchvision.models
+    except (RuntimeError, OSError) as exc:
+        import importlib.util
+        import types
+
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        spec = importlib.util.find_spec("torchvision")
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        print(f"torchvision does not import ({exc}); loading its pure-Python models", file=sys.stderr)
+        package = types.ModuleType("torchvision")
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__file__ = spec.origin
+        sys.modules["torchvision"] = package
+        import torchvision.models
+        return torchvision.models
+
+
 def _models(device: str) -> dict:
-    import torchvision
+    class torchvision:  # noqa: N801 - keeps the table below reading as torchvision.models.X
+        models = _torchvision_models()
 
     big = {
         "googlenet": (lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False,
