@@ -1,39 +1,105 @@
-"""The ``concur`` command: ``inspect`` a model's plan, run the ``demo``, write a ``report``, clear the tuner ``cache``."""
+"""The ``concur`` command: ``inspect`` a model's plan, run the ``demo``, write a ``report``, clear the tuner ``cache``.
+
+A mistake on the command line (an unknown model, an input too small for it, a
+missing run directory) prints one line saying what to do and exits with 2;
+``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
+import schedulers
+
 from . import api
-from .cost import ROOFLINES, AnalyticCost
+from .cost import ROOFLINES, AnalyticCost, describe, roofline_for
+from .errors import CaptureError, ConcurError, PlanError
 from .timing import time_cuda_ms
-from .zoo import build_model
+from .zoo import ModelSpecError, ZooModel, load
+
+USAGE_ERROR = 2  # argparse's own exit code for a bad command line
+AUTO = "auto"
+NO_GPU_DEVICE = "h100"  # what --device auto models without a GPU: the device concur's numbers were measured on
+
+
+class UsageError(ValueError):
+    """The command line asks for something that cannot work; the message says what to do instead."""
+
+
+def device_model(choice: str) -> tuple[AnalyticCost, str]:
+    """Return the cost model ``--device`` selects and a note on how ``auto`` chose it ('' otherwise)."""
+    if choice != AUTO:
+        return AnalyticCost(ROOFLINES[choice]), ""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return AnalyticCost(roofline_for(name)), f"--device auto: this machine's {name}"
+    return AnalyticCost(ROOFLINES[NO_GPU_DEVICE]), \
+        f"--device auto: no GPU here, so an {NO_GPU_DEVICE.upper()}; --device picks another"
+
+
+def _model(args: argparse.Namespace) -> ZooModel:
+    """Build the model and settle ``args.image_size`` (the model's own size unless given)."""
+    zoo = load(args.model)
+    if args.image_size is None:
+        args.image_size = zoo.image_size
+    zoo.check_image_size(args.image_size)
+    return zoo
 
 
 def _example(args: argparse.Namespace, device: str) -> tuple[torch.Tensor]:
     return (torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device),)
 
 
-def _plan_summary(cm: api.ConcurModule) -> str:
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _analysed(args: argparse.Namespace, zoo: ZooModel, what, *call_args, **kwargs):
+    """Run ``what`` (inspect or optimize) on the model; a failure of the model itself becomes one line."""
+    try:
+        return what(*call_args, **kwargs)
+    except (CaptureError, PlanError):
+        raise
+    except Exception as exc:  # the model itself failed on the example input
+        root = getattr(exc, "original", None) or _root_cause(exc)
+        failure = (f"{args.model} failed on a {args.batch_size}x3x{args.image_size}x{args.image_size} input: "
+                   f"{type(root).__name__}: {_first_line(root)}")
+        if args.image_size != zoo.image_size:
+            raise UsageError(f"{failure}; try its own size, --image-size {zoo.image_size}") from exc
+        raise RuntimeError(failure) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _plan_summary(cm: api.ConcurModule, device_line: str) -> str:
     s = cm.schedule
     per_stream = [len(s.nodes_on(i)) for i in range(s.num_streams)]
     return (f"scheduler {s.scheduler}: {len(s.order)} ops on {s.num_streams} streams "
             f"(ops per stream {per_stream}), {len(s.waits)} cross-stream waits, "
-            f"predicted makespan {s.makespan:,.1f} us")
+            f"predicted makespan {s.makespan:,.1f} us on the {device_line}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    model = build_model(args.model).train(not args.eval)
+    zoo = _model(args)
+    model = zoo.model.train(not args.eval)
     example = _example(args, "cpu")
-    cost = AnalyticCost(ROOFLINES[args.profile])
-    print(api.inspect(model, example, scheduler=args.scheduler, cost_model=cost))
-    cm = api.optimize(model, example, streams=args.streams, scheduler=args.scheduler, cost_model=cost)
-    print(_plan_summary(cm))
+    cost, note = device_model(args.device)
+    print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+          f"{'eval' if args.eval else 'train'} mode{'; ' + note if note else ''}")
+    print(_analysed(args, zoo, api.inspect, model, example, scheduler=args.scheduler, cost_model=cost))
+    cm = _analysed(args, zoo, api.optimize, model, example, streams=args.streams, scheduler=args.scheduler,
+                   cost_model=cost)
+    print(_plan_summary(cm, describe(cost)))
     return 0
 
 
@@ -52,15 +118,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cudnn.allow_tf32 = False  # the check compares fp32 results, not TF32 noise
     torch.manual_seed(0)
-    model = build_model(args.model).train().to(device)
+    zoo = _model(args)
+    model = zoo.model.train().to(device)
     reference, serial_copy = copy.deepcopy(model), copy.deepcopy(model)
     example = _example(args, device)
-    cost = AnalyticCost(ROOFLINES["h100"]) if device == "cpu" else None
-    print(f"concur demo: {args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, on {device}")
-    print(api.inspect(model, example, cost_model=cost))
-    cm = api.optimize(model, example, streams=args.streams, cost_model=cost)
+    cost, note = device_model(args.device)
+    print(f"concur demo: {args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, on {device}"
+          f"{'; ' + note if note else ''}")
+    print(_analysed(args, zoo, api.inspect, model, example, cost_model=cost))
+    cm = _analysed(args, zoo, api.optimize, model, example, streams=args.streams, cost_model=cost)
     serial = api.optimize(serial_copy, example, streams=1, cost_model=cost)
-    print(_plan_summary(cm))
+    print(_plan_summary(cm, describe(cost)))
 
     x = _example(args, device)[0]
     out_ref, g_ref = _gradients(reference, x)
@@ -91,6 +159,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
+    if not (Path(args.run_dir) / "run.json").is_file():
+        raise UsageError(f"{args.run_dir} holds no run.json: pass the directory an experiment wrote "
+                         "(e.g. experiments/results/<run>/tuner/<case>)")
     path = write_report(args.run_dir, args.out)
     print(f"report written: {path} (numbers in {path.parent / 'report.json'})")
     return 0
@@ -110,37 +181,83 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_in(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="concur", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(prog="concur", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true",
+                       help="show the full traceback of an error instead of one line (default: off)")
+    common = argparse.ArgumentParser(add_help=False, parents=[debug])
     common.add_argument("model", nargs="?", default="torchvision:googlenet",
-                        help="torchvision:NAME or module:factory (default torchvision:googlenet)")
-    common.add_argument("--batch-size", type=int, default=4)
-    common.add_argument("--image-size", type=int, default=64)
-    common.add_argument("--streams", type=int, default=4)
-    insp = sub.add_parser("inspect", parents=[common], help="print the DAG, critical path and plan")
-    insp.add_argument("--scheduler", default="critical_path")
-    insp.add_argument("--profile", default="h100", choices=sorted(ROOFLINES),
-                      help="device whose roofline predicts op times (default h100)")
-    insp.add_argument("--eval", action="store_true", help="trace in eval mode")
+                        help="torchvision:NAME, timm:NAME (needs timm) or my.module:make_model, a function "
+                             "taking no arguments (default: %(default)s)")
+    common.add_argument("--batch-size", type=_int_in(1, 1 << 16), default=8, metavar="N",
+                        help="batch of the example input (default: %(default)s)")
+    common.add_argument("--image-size", type=_int_in(1, 1 << 14), default=None, metavar="PX",
+                        help="side of the square example input (default: the model's own: 224 for most "
+                             "torchvision models, 299 for inception_v3, timm's input_size)")
+    common.add_argument("--streams", type=_int_in(1, 64), default=4, metavar="N",
+                        help="CUDA streams the plan may use (default: %(default)s)")
+    common.add_argument("--device", default=AUTO, choices=[AUTO, *ROOFLINES],
+                        help="device whose roofline predicts op times, hence the plan and the predicted "
+                             f"speedup (default: %(default)s: this machine's GPU, or {NO_GPU_DEVICE} "
+                             "without one)")
+    insp = sub.add_parser("inspect", parents=[common], help="print the DAG, critical path and predicted plan",
+                          description="Trace the model on the CPU and print its DAG, critical path, predicted "
+                                      "speedups and the plan, for the device --device names.")
+    insp.add_argument("--scheduler", default="critical_path", choices=sorted(schedulers.SCHEDULERS),
+                      help="how ops are placed on streams (default: %(default)s)")
+    insp.add_argument("--eval", action="store_true", help="trace in eval mode (default: train mode)")
     insp.set_defaults(func=cmd_inspect)
-    demo = sub.add_parser("demo", parents=[common], help="trace, schedule, check and (on a GPU) time a model")
+    demo = sub.add_parser("demo", parents=[common], help="trace, schedule, check and (on a GPU) time a model",
+                          description="Trace and schedule the model, check outputs and gradients against the "
+                                      "original, and on a GPU time serial against concurrent training steps.")
     demo.set_defaults(func=cmd_demo)
-    rep = sub.add_parser("report", help="turn a run directory into one HTML page, PNG plots and JSON")
-    rep.add_argument("run_dir", help="directory holding run.json (written by an experiment)")
-    rep.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    rep = sub.add_parser("report", parents=[debug],
+                         help="turn a run directory into one HTML page, PNG plots and JSON")
+    rep.add_argument("run_dir", help="directory holding run.json (written by an experiment); required")
+    rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
-    cache = sub.add_parser("cache", help="list or clear the tuner's cached choices (streams='auto')")
-    cache.add_argument("action", choices=["clear", "list"])
-    cache.add_argument("--dir", default=None, help="cache directory (default $CONCUR_CACHE_DIR or ~/.cache/concur)")
+    cache = sub.add_parser("cache", parents=[debug],
+                           help="list or clear the tuner's cached choices (streams='auto')")
+    cache.add_argument("action", choices=["clear", "list"], help="what to do with the cache; required")
+    cache.add_argument("--dir", default=None,
+                       help="cache directory (default: $CONCUR_CACHE_DIR, else ~/.cache/concur)")
     cache.set_defaults(func=cmd_cache)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv``; return the exit code (2 for a usage error, 1 for a failure)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UsageError, ModelSpecError) as exc:
+        if args.debug:
+            raise
+        print(f"concur {args.command}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except Exception as exc:
+        if args.debug or isinstance(exc, PlanError):
+            raise  # a concur bug (PlanError asks for a report): the traceback is what to send
+        # concur's own errors are written to be read whole (what, where, the fix); others by their first line
+        message = str(exc).strip() if isinstance(exc, ConcurError) else _first_line(exc)
+        print(f"concur {args.command}: {type(exc).__name__}: {message} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

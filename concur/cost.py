@@ -39,6 +39,21 @@ ROOFLINES: dict[str, Roofline] = {
 }
 
 
+def describe(cost_model: object) -> str:
+    """Return one line naming the device a cost model predicts for, and its rates.
+
+    >>> describe(AnalyticCost(ROOFLINES["h100"]))
+    'h100 roofline (150 TFLOP/s, 2.8 TB/s, 2.0 us per kernel)'
+    """
+    if isinstance(cost_model, AnalyticCost):
+        r = cost_model.roofline
+        return (f"{r.name} roofline ({r.flops_per_us / 1e6:g} TFLOP/s, {r.bytes_per_us / 1e6:g} TB/s, "
+                f"{r.kernel_overhead_us:.1f} us per kernel)")
+    if isinstance(cost_model, MeasuredCost):
+        return f"measured times of {len(cost_model.times_us)} ops, the rest by {describe(cost_model.fallback)}"
+    return type(cost_model).__name__
+
+
 def roofline_for(device_name: str) -> Roofline:
     """Return the roofline whose key appears in ``device_name`` (e.g. 'NVIDIA H100 80GB HBM3')."""
     lowered = device_name.lower()

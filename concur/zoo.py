@@ -1,30 +1,145 @@
-"""Build models named on the command line: ``torchvision:googlenet`` or ``package.module:factory``."""
+"""Build the models named on the command line, and the input size each is made for.
+
+A model spec is ``torchvision:NAME`` (``torchvision.models.list_models()``),
+``timm:NAME`` (``timm.list_models()``, needs ``pip install timm``) or
+``package.module:factory`` (a callable taking no arguments). Every model is
+randomly initialised: concur's plan depends on shapes, not on weights.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
+from dataclasses import dataclass
 
 import torch.nn as nn
 
-# Smallest input each branchy torchvision model accepts (Inception-v3 needs 299 in train
-# mode with its auxiliary head, 75 otherwise).
-MIN_IMAGE_SIZE = {"inception_v3": 75, "googlenet": 32}
+# Smallest square input a torchvision model accepts in train mode where it is not 32 px:
+# torchvision's weights metadata gives the pretrained eval minimum (Swin says 224 but
+# runs at 32), so these were found by running the models (tests/test_zoo.py uses them).
+MIN_IMAGE_SIZE = {
+    "alexnet": 63,        # conv 11/4, three 3/2 max-pools
+    "inception_v3": 75,   # without its auxiliary head; 299 with it
+    "maxvit_t": 224,      # every block's input must be divisible by the 7x7 partition
+}
+DEFAULT_MIN_IMAGE_SIZE = 32
+# Constructor arguments for torchvision models: no auxiliary heads (they need 299 px in train mode
+# and add a second output), no scipy-based truncated-normal init (slow, and weights do not matter).
+TORCHVISION_KWARGS = {
+    "googlenet": {"init_weights": False, "aux_logits": False},
+    "inception_v3": {"init_weights": False, "aux_logits": False},
+}
+SPEC_FORMS = "torchvision:NAME, timm:NAME or my.module:make_model"
+
+
+class ModelSpecError(ValueError):
+    """A model spec names nothing concur can build; the message says how to write it instead."""
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A model built from a spec, with the square input sizes it is made for and accepts."""
+
+    spec: str
+    model: nn.Module
+    image_size: int      # what the model is made for: its weights' crop size, timm's input size
+    min_image_size: int  # the smallest input it accepts
+    fixed_size: bool = False  # it accepts ``image_size`` only (a ViT's position embeddings)
+
+    def check_image_size(self, size: int) -> None:
+        """Raise :class:`ModelSpecError` saying which size to use if ``size`` does not fit the model."""
+        if self.fixed_size and size != self.image_size:
+            raise ModelSpecError(f"{self.spec} takes {self.image_size} px inputs only, not {size}: "
+                                 f"use --image-size {self.image_size} (the default)")
+        if size < self.min_image_size:
+            raise ModelSpecError(f"--image-size {size} is below the smallest input {self.spec} accepts "
+                                 f"({self.min_image_size} px): use {self.min_image_size} or more, "
+                                 f"or leave it out for its own {self.image_size}")
+
+
+def load(spec: str) -> ZooModel:
+    """Return the randomly initialised model ``spec`` names and its input sizes.
+
+    Raises:
+        ModelSpecError: the spec is malformed or names no model; the message gives a spec that works.
+    """
+    source, sep, name = spec.partition(":")
+    if not sep or not source or not name:
+        raise ModelSpecError(f"model spec {spec!r} must look like {SPEC_FORMS}{_guess(spec)}")
+    if source == "torchvision":
+        return _torchvision(spec, name)
+    if source == "timm":
+        return _timm(spec, name)
+    return _factory(spec, source, name)
 
 
 def build_model(spec: str) -> nn.Module:
-    """Return a randomly initialised model from ``torchvision:NAME`` or ``module:callable``."""
-    if ":" not in spec:
-        raise ValueError(f"model spec {spec!r} must look like torchvision:googlenet or my.module:make_model")
-    source, name = spec.split(":", 1)
-    if source == "torchvision":
-        import torchvision
+    """Return the randomly initialised model ``spec`` names (see :func:`load`)."""
+    return load(spec).model
 
-        kwargs = {"weights": None}
-        if name in ("googlenet", "inception_v3"):
-            kwargs.update(init_weights=False, aux_logits=False)
-        try:
-            return torchvision.models.get_model(name, **kwargs)
-        except ValueError as exc:
-            raise ValueError(f"unknown torchvision model {name!r}: {exc}") from None
-    factory = getattr(importlib.import_module(source), name)
-    return factory()
+
+def _guess(spec: str) -> str:
+    """', e.g. torchvision:NAME' for a bare torchvision model name, else ''."""
+    import torchvision
+
+    return f"; did you mean torchvision:{spec}?" if spec in torchvision.models.list_models() else ""
+
+
+def _torchvision(spec: str, name: str) -> ZooModel:
+    import torchvision
+
+    known = torchvision.models.list_models()
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"did you mean {', '.join('torchvision:' + c for c in close)}?" if close else \
+            "torchvision.models.list_models() lists them"
+        raise ModelSpecError(f"torchvision has no model {name!r}: {hint}")
+    model = torchvision.models.get_model(name, weights=None, **TORCHVISION_KWARGS.get(name, {}))
+    crop = torchvision.models.get_model_weights(name).DEFAULT.transforms().crop_size[0]
+    fixed = getattr(model, "image_size", None)  # torchvision's ViTs are built for one size
+    if isinstance(fixed, int):
+        return ZooModel(spec, model, fixed, fixed, fixed_size=True)
+    return ZooModel(spec, model, crop, MIN_IMAGE_SIZE.get(name, DEFAULT_MIN_IMAGE_SIZE))
+
+
+def _timm(spec: str, name: str) -> ZooModel:
+    try:
+        timm = importlib.import_module("timm")
+    except ImportError:
+        raise ModelSpecError(f"{spec} needs timm, which is not installed: pip install timm") from None
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3)
+        hint = f"did you mean {', '.join('timm:' + c for c in close)}?" if close else \
+            "timm.list_models() lists them, e.g. timm:resnet50"
+        raise ModelSpecError(f"timm has no model {name!r}: {hint}")
+    model = timm.create_model(name, pretrained=False)
+    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    size = int(cfg.get("input_size", (3, 224, 224))[-1])
+    if cfg.get("fixed_input_size"):
+        return ZooModel(spec, model, size, size, fixed_size=True)
+    minimum = cfg.get("min_input_size")  # unknown otherwise: a failure on a too small input says so
+    return ZooModel(spec, model, size, int(minimum[-1]) if minimum else 1)
+
+
+def _factory(spec: str, module_name: str, attr: str) -> ZooModel:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"cannot import {module_name!r} for {spec} ({exc}): the module must be importable "
+                             f"from here, or use {SPEC_FORMS}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelSpecError(f"{module_name} has no callable {attr!r}: {spec} must name a function that "
+                             "returns an nn.Module")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:
+        raise ModelSpecError(f"{spec} must be callable without arguments ({exc}): wrap it in a function "
+                             "that passes them") from None
+    except ValueError:  # a builtin without a signature: let the call itself say
+        pass
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
+    return ZooModel(spec, model, 224, 1)  # sizes unknown: a failure on the input says so

@@ -1,25 +1,164 @@
-"""The concur command: inspect prints the plan; demo checks the model and exits 0."""
+"""The concur command: help and defaults, one-line user errors, model specs, the device model, the demo's check."""
 
 from __future__ import annotations
 
+import argparse
+import re
+import sys
+import types
+
 import pytest
+import torch
+import torch.nn as nn
 
-from concur.cli import main
+from concur import cli
+from concur.cli import build_parser, main
+from concur.zoo import ModelSpecError
+
+TINY = ["tests.models:WideNet", "--batch-size", "2", "--image-size", "16"]
 
 
-def test_inspect_prints_width_critical_path_and_plan(capsys):
-    assert main(["inspect", "torchvision:googlenet", "--batch-size", "2", "--image-size", "64"]) == 0
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["inspect", "demo", "report", "cache"])
+def test_every_option_has_help_text_that_gives_its_default(command):
+    sub = _subparsers(build_parser())[command]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = formatter._expand_help(action) if action.help else ""
+        assert text, f"concur {command} {action.dest}: no help text"
+        assert "default" in text or "required" in text, f"concur {command} {action.dest}: {text!r}"
+        if action.default not in (None, False):
+            assert str(action.default) in text, f"concur {command} {action.dest}: {text!r}"
+
+
+def _fake_timm(monkeypatch, **cfg):
+    """Install a stand-in for timm with one model, ``tiny``, whose pretrained_cfg is ``cfg``."""
+    def create_model(name, pretrained=False):
+        assert name == "tiny" and pretrained is False
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+        model.pretrained_cfg = cfg
+        return model
+
+    timm = types.SimpleNamespace(create_model=create_model, is_model=lambda name: name == "tiny",
+                                 list_models=lambda: ["tiny", "tinier"])
+    monkeypatch.setitem(sys.modules, "timm", timm)
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["inspect", "googlenet"], "did you mean torchvision:googlenet?"),
+    (["inspect", "torchvision:googlenett"], "did you mean torchvision:googlenet"),
+    (["inspect", "torchvision:inception_v3", "--image-size", "64"], "use 75 or more, or leave it out for its own 299"),
+    (["inspect", "torchvision:vit_b_16", "--image-size", "64"], "use --image-size 224"),
+    (["inspect", "timm:create_model"], "timm has no model 'create_model': timm.list_models() lists them"),
+    (["inspect", "torch.nn:Linear"], "must be callable without arguments"),
+    (["inspect", "no_such_module:make"], "cannot import 'no_such_module'"),
+    (["inspect", "tests.models:Untraceable", "--image-size", "8", "--batch-size", "2"], "concur.optimize"),
+    (["report", "/nonexistent/run"], "holds no run.json"),
+])
+def test_a_user_error_is_one_line_with_the_fix_and_exit_code_2(argv, fix, capsys, monkeypatch):
+    _fake_timm(monkeypatch)
+    code = main(argv)
+    captured = capsys.readouterr()
+    if argv[1] == "tests.models:Untraceable":  # not the user's typo: a model concur cannot trace, exit 1
+        assert code == 1 and "CaptureError" in captured.err and fix in captured.err
+        return
+    assert code == 2, captured
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+    assert captured.err.startswith(f"concur {argv[0]}: error: ") and fix in captured.err
+
+
+def test_debug_shows_the_traceback_instead():
+    with pytest.raises(ModelSpecError, match="did you mean torchvision:googlenet"):
+        main(["inspect", "googlenet", "--debug"])
+
+
+def test_an_input_the_model_cannot_take_names_the_failure_and_the_models_own_size(capsys, monkeypatch):
+    _fake_timm(monkeypatch, input_size=(3, 40, 40), min_input_size=(3, 8, 8))
+    assert main(["inspect", "timm:tiny", "--image-size", "4"]) == 2
+    assert "below the smallest input timm:tiny accepts (8 px): use 8 or more" in capsys.readouterr().err
+    _fake_timm(monkeypatch, input_size=(3, 40, 40))  # no minimum known: the model's own failure says it
+    assert main(["inspect", "timm:tiny", "--image-size", "2"]) == 2  # a 3x3 conv on 2x2
+    err = capsys.readouterr().err
+    assert "timm:tiny failed on a 8x3x2x2 input: RuntimeError: Calculated padded input size" in err
+    assert err.endswith("try its own size, --image-size 40\n") and err.count("\n") == 1
+
+
+def test_timm_models_get_timms_input_size(capsys, monkeypatch):
+    _fake_timm(monkeypatch, input_size=(3, 40, 40))
+    assert main(["inspect", "timm:tiny", "--batch-size", "2"]) == 0
+    assert capsys.readouterr().out.startswith("timm:tiny, batch 2, 40x40, train mode")
+    _fake_timm(monkeypatch, input_size=(3, 48, 48), fixed_input_size=True)
+    assert main(["inspect", "timm:tiny", "--image-size", "40"]) == 2
+    assert "takes 48 px inputs only" in capsys.readouterr().err
+
+
+def _speedups(out: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^\s+(\d)\s+([\d.]+)x", out, re.M)}
+
+
+def test_inspect_prints_plan_and_the_device_model_it_predicts_for(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["inspect", *TINY]) == 0
+    auto = capsys.readouterr().out
+    assert "--device auto: no GPU here, so an H100" in auto
+    assert "device model       h100 roofline (150 TFLOP/s, 2.8 TB/s, 2.0 us per kernel)" in auto
+    assert re.search(r"on 4 streams \(ops per stream \[\d+, \d+, \d+, \d+\]\), \d+ cross-stream waits, "
+                     r"predicted makespan [\d,.]+ us on the h100 roofline", auto)
+    assert main(["inspect", *TINY, "--device", "cpu"]) == 0
+    cpu = capsys.readouterr().out
+    assert "device model       cpu roofline" in cpu and "on the cpu roofline" in cpu and "H100" not in cpu
+    # the same 10-branch net: a device with more launch overhead per unit of work predicts less overlap
+    assert _speedups(auto)[1] == _speedups(cpu)[1] == 1.0
+    assert _speedups(auto)[4] > _speedups(cpu)[4] > 1.0
+
+
+def test_auto_on_a_gpu_machine_models_that_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    cost, note = cli.device_model("auto")
+    assert cost.roofline.name == "a100" and note == "--device auto: this machine's NVIDIA A100-SXM4-80GB"
+    assert cli.device_model("h200") == (cli.AnalyticCost(cli.ROOFLINES["h200"]), "")
+
+
+def _demo_errors(out: str) -> tuple[float, float, float]:
+    m = re.search(r"output rel. error (\S+), gradient rel. error (\S+) \(same plan on one stream: (\S+)\)", out)
+    return tuple(map(float, m.groups()))
+
+
+def test_demo_checks_against_the_original_and_catches_a_wrong_plan(capsys, monkeypatch):
+    args = ["demo", "--batch-size", "2", "--image-size", "32"]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "critical path" in out and "predicted speedup" in out
-    assert "cross-stream waits" in out and "on 4 streams" in out
+    assert out.startswith("concur demo: torchvision:googlenet, batch 2, 32x32, on cpu")
+    out_err, grad_err, reorder_err = _demo_errors(out)
+    assert out_err < 1e-5 and grad_err <= max(1e-5, 4 * reorder_err) and out.rstrip().endswith("timings need CUDA.")
 
+    real_optimize = cli.api.optimize
 
-def test_demo_checks_against_original_and_succeeds(capsys):
-    assert main(["demo", "--batch-size", "2", "--image-size", "64"]) == 0
+    def off_by_a_little(model, example, streams, **kw):  # a planted bug in the concurrent plan
+        cm = real_optimize(model, example, streams=streams, **kw)
+        if streams > 1:
+            cm.register_forward_hook(lambda mod, inputs, output: output * 1.001)
+        return cm
+
+    monkeypatch.setattr(cli.api, "optimize", off_by_a_little)
+    assert main(args) == 1
     out = capsys.readouterr().out
-    assert "-> OK" in out and "predicted speedup" in out
+    assert "-> MISMATCH" in out and _demo_errors(out)[0] == pytest.approx(1e-3, rel=0.01)
 
 
-def test_bad_model_spec_is_a_clear_error():
-    with pytest.raises(ValueError, match="torchvision:googlenet"):
-        main(["inspect", "googlenet"])
+def test_cache_lists_and_clears(tmp_path, capsys):
+    from concur.tune_cache import TunerCache
+
+    TunerCache(tmp_path).put("k1", {"streams": 2})
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"1 cached tuner choice(s) in {tmp_path / 'tuner'}", "  k1.json"]
+    assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"removed 1 cached tuner choice(s) from {tmp_path / 'tuner'}\n"
+    assert TunerCache(tmp_path).get("k1") is None
