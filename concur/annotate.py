@@ -158,13 +158,45 @@ def _rng_snapshot(devices: set[torch.device]) -> list[torch.Tensor]:
     return states
 
 
+class OpFailed(Exception):
+    """An operation of the traced graph raised on the example inputs: ``node`` and the exception (``cause``)."""
+
+    def __init__(self, node: fx.Node, cause: Exception):
+        super().__init__(f"{node.format_node()}: {type(cause).__name__}: {cause}")
+        self.node = node
+        self.cause = cause
+
+
 class _Annotator(ShapeProp):
-    """ShapeProp that also records storages, mutations, RNG use, FLOPs and bytes per node."""
+    """ShapeProp that also records storages, mutations, RNG use, FLOPs and bytes per node.
+
+    An op that raises is caught below ShapeProp's own handler, which would
+    print torch's whole traceback to stderr before re-raising, and is raised
+    as :class:`OpFailed` naming the node, so the caller can explain it in a
+    few lines (the example inputs are usually what is wrong).
+    """
 
     def __init__(self, gm: fx.GraphModule, devices: set[torch.device]):
         super().__init__(gm)
         self.garbage_collect_values = False  # keep every value alive: no address reuse
         self.devices = devices
+        self._failure: Exception | None = None
+
+    def _guarded(self, run: Any, target: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return run(target, args, kwargs)
+        except Exception as exc:
+            self._failure = exc
+            return None
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._guarded(super().call_function, target, args, kwargs)
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._guarded(super().call_method, target, args, kwargs)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._guarded(super().call_module, target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in OP_KINDS:
@@ -178,6 +210,8 @@ class _Annotator(ShapeProp):
         rng_before = _rng_snapshot(self.devices)
         with FlopCounterMode(display=False) as counter:
             result = super().run_node(n)
+        if self._failure is not None:
+            raise OpFailed(n, self._failure)
         rng_used = any(not torch.equal(a, b) for a, b in zip(rng_before, _rng_snapshot(self.devices)))
 
         reads = {storage_key(t) for t in watched}
@@ -212,7 +246,8 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple) -> Any:
     """Run ``gm`` once on clones of ``example_inputs`` and fill ``node.meta``; return its output.
 
     Model buffers and RNG state are restored afterwards and the inputs are
-    cloned, so the caller's model and data are exactly as they were.
+    cloned, so the caller's model and data are exactly as they were. Raises
+    :class:`OpFailed` when an operation raises on the inputs.
     """
     inputs = tuple(map_aggregate(x, lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a)
                    for x in example_inputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect as pyinspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,11 +13,19 @@ import torch.nn as nn
 import schedulers
 
 from .capture import AUTO_LEAVES_META, LeafSpec
-from .cost import CostModel
-from .errors import CaptureError
-from .plan import Plan, analyse, build_plan
+from .cost import AnalyticCost, CostModel, describe, roofline_for
+from .errors import CaptureError, ConcurError, ExampleInputError, debug
+from .plan import Plan, analyse, build_plan, device_name
 
 FALLBACKS = ("error", "eager")
+
+
+# What a ConcurModule takes from its original model: the same dict objects, so each change through
+# either object is seen by both (parameters, buffers, submodules, state-dict hooks).
+_SHARED = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_state_dict_hooks",
+           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# What a ConcurModule derives and rebuilds after a copy instead of copying it.
+_DERIVED = frozenset(_SHARED) | {"original", "_options", "_plans", "_plan_attrs"}
 
 
 class ConcurModule(nn.Module):
@@ -26,24 +35,78 @@ class ConcurModule(nn.Module):
     dictionaries (the same dict objects), so parameters are the same
     ``Parameter`` objects (an optimizer built on the original keeps working),
     ``state_dict`` keys are unchanged, and ``.to()``, ``.train()`` and
-    ``load_state_dict`` act on one set of tensors seen by both.
+    ``load_state_dict`` act on one set of tensors seen by both. Its
+    ``training`` flag *is* the original's, and ``train()``/``eval()`` run the
+    original's own (possibly overridden) ``train``, so a mode set on either
+    object is the mode of both. Attributes it lacks are read from the original.
 
     fx bakes Python-level branches on ``self.training`` into the trace (e.g.
     GoogLeNet's auxiliary heads), so one plan is kept per combination of the
     modules' training flags, built the first time that combination runs.
+
+    A copy (``copy.deepcopy``, pickling, ``torch.save``, ``AveragedModel``) is
+    a copy of the original model plus the options; its plans are rebuilt on
+    its first call, from that call's inputs, as for a mode not run before.
+    The plans themselves are not copied: they hold CUDA streams and events,
+    and code bound to the objects they were traced from.
     """
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                  cost_model: CostModel | None, leaf_modules: LeafSpec):
         super().__init__()
-        for name in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
+                                 leaf_modules=leaf_modules if isinstance(leaf_modules, str)
+                                 else tuple(leaf_modules)))
+        self._plan_for(example_inputs)
+
+    def _attach(self, model: nn.Module, options: dict) -> None:
+        for name in _SHARED:
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "original", model)
-        self.training = model.training
-        self._options = dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
-                             leaf_modules=leaf_modules if isinstance(leaf_modules, str) else tuple(leaf_modules))
+        self._options = options
         self._plans: dict[tuple[bool, ...], Plan] = {}
-        self._plan_for(example_inputs)
+        self._plan_attrs: set[str] = set()  # attributes a plan put on self: not the user's, not copied
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The original model's flag: there is only one."""
+        original = self.__dict__.get("original")
+        return True if original is None else original.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        original = self.__dict__.get("original")
+        if original is not None:  # nn.Module.__init__ sets it before there is an original
+            original.training = mode
+
+    def train(self, mode: bool = True) -> "ConcurModule":
+        """Set the original model's mode with its own ``train`` (which a model may override); return self."""
+        self.original.train(mode)
+        return self
+
+    @property
+    def _version(self) -> int:  # type: ignore[override]
+        return self.original._version  # state_dict metadata: the original's format version
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.original._save_to_state_dict(destination, prefix, keep_vars)  # its extra state included
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.original._load_from_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None or name.startswith("__"):  # mid-unpickling, or a protocol probe
+                raise
+            return getattr(original, name)
+
+    def __reduce__(self):
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in _DERIVED and k not in self._plan_attrs and k != "_compiled_call_impl"}
+        return _rebuild, (self.original, self._options), state
 
     def _mode_key(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.modules())
@@ -52,13 +115,14 @@ class ConcurModule(nn.Module):
         key = self._mode_key()
         plan = self._plans.get(key)
         if plan is None:
-            self.original.training = self.training  # the root's own flag is read by its forward
             plan = build_plan(self.original, inputs, **self._options)
             for node in plan.traced.graph.nodes:  # fx-made constants live on the traced root
                 if node.op == "get_attr":
                     atom = str(node.target).split(".")[0]
-                    if not hasattr(self, atom):
+                    if atom not in self.__dict__ and not hasattr(self.original, atom):
                         object.__setattr__(self, atom, getattr(plan.traced, atom))
+                        self._plan_attrs.add(atom)
+            self._plan_attrs.add(plan.runtime_attr)
             self._plans[key] = plan
         return plan
 
@@ -67,7 +131,8 @@ class ConcurModule(nn.Module):
         """The plan of the current train/eval mode (built on first use of that mode)."""
         key = self._mode_key()
         if key not in self._plans:
-            raise RuntimeError("no plan for this train/eval mode yet: call the module once first")
+            raise RuntimeError("no plan for this train/eval mode yet (a copy has none before its first "
+                               "call): call the module once first")
         return self._plans[key]
 
     @property
@@ -81,13 +146,24 @@ class ConcurModule(nn.Module):
         return self.plan.schedule
 
     def forward(self, *inputs: Any) -> Any:
-        plan = self._plan_for(inputs)
+        try:
+            plan = self._plan_for(inputs)
+        except ExampleInputError as exc:  # a new mode's plan, built on inputs the model rejects:
+            raise exc.original from None  # the error the model itself gives on them
         object.__setattr__(self, plan.runtime_attr, plan.runtime)
         try:
             return plan.forward(self, *inputs)
         except BaseException:
             plan.runtime.abort()
             raise
+
+
+def _rebuild(model: nn.Module, options: dict) -> ConcurModule:
+    """Return a ConcurModule over ``model`` with no plan yet (unpickling and deep copies call this)."""
+    cm = ConcurModule.__new__(ConcurModule)
+    nn.Module.__init__(cm)
+    cm._attach(model, options)
+    return cm
 
 
 def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
@@ -100,7 +176,19 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
                         f"e.g. (torch.randn(8, 3, 224, 224),); got {type(example_inputs).__name__}")
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
         raise ValueError(f"streams must be an int from 1 to 64, got {streams!r}")
-    return tuple(example_inputs)
+    example_inputs = tuple(example_inputs)
+    try:
+        signature = pyinspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward Python cannot introspect: the run will tell
+        return example_inputs
+    try:
+        signature.bind(*example_inputs)
+    except TypeError as exc:
+        raise ExampleInputError(
+            f"concur: example_inputs holds {len(example_inputs)} input(s) for "
+            f"{type(model).__name__}.forward{signature}: {exc}. Fix: pass a tuple with one example per "
+            f"positional argument of forward", "example_inputs") from None
+    return example_inputs
 
 
 def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
@@ -127,7 +215,18 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",
                           stacklevel=2)
             return model
-        raise
+        raise _from_here(exc)
+    except ExampleInputError as exc:
+        raise _from_here(exc)
+
+
+def _from_here(exc: ConcurError) -> ConcurError:
+    """Return ``exc`` with its traceback cut to the public call, unless ``CONCUR_DEBUG`` asks for it all.
+
+    The user's mistake (an input, a model line) is in the message; the frames of
+    concur's setup between the call and the raise would only bury it.
+    """
+    return exc if debug() else exc.with_traceback(None)
 
 
 @dataclass(frozen=True)
@@ -143,9 +242,11 @@ class Inspection:
     predicted_speedup: dict[int, float] = field(default_factory=dict)  # concurrent kernels share the device
     auto_leaves: tuple[str, ...] = ()
     ideal_speedup: dict[int, float] = field(default_factory=dict)  # each kernel as fast as alone: a bound
+    device_model: str = ""  # the device the op costs are predicted for (cost.describe)
 
     def __str__(self) -> str:
         rows = [f"model              {self.model}",
+                f"device model       {self.device_model}",
                 f"operations         {self.num_ops} ({self.num_kernels} launch kernels)",
                 f"DAG width          {self.width} (most ops in one topological generation)",
                 f"serial time        {self.serial_us:,.1f} us (predicted, sum of op costs)",
@@ -162,10 +263,20 @@ class Inspection:
 
 def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critical_path",
             max_streams: int = 8, cost_model: CostModel | None = None,
-            leaf_modules: LeafSpec = ()) -> Inspection:
-    """Return the op count, DAG width, critical path and predicted speedup for 1..max_streams."""
+            leaf_modules: LeafSpec = (), device: str | None = None) -> Inspection:
+    """Return the op count, DAG width, critical path and predicted speedup for 1..max_streams.
+
+    Op times are predicted by ``cost_model``, else by the roofline of ``device`` (a key of
+    ``concur.cost.ROOFLINES`` such as ``"h100"``, or a CUDA device name), else by that of the
+    device the example inputs are on; ``device_model`` in the result names it.
+    """
     example_inputs = _check_inputs(model, example_inputs, 1)
-    traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
+    if cost_model is None:
+        cost_model = AnalyticCost(roofline_for(device or device_name(model, example_inputs)))
+    try:
+        traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
+    except (CaptureError, ExampleInputError) as exc:
+        raise _from_here(exc)
     speedups = schedulers.speedup_predictions(dag, max_streams, scheduler)
     return Inspection(
         model=type(model).__name__,
@@ -177,4 +288,5 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
         predicted_speedup=speedups["contention"],
         auto_leaves=traced.meta.get(AUTO_LEAVES_META, ()),
         ideal_speedup=speedups["ideal"],
+        device_model=describe(cost_model),
     )

@@ -5,6 +5,13 @@ which line of the user's code triggered it, so that a model with
 data-dependent control flow gets a message naming the module, the source
 line, and the two ways out (mark the module a leaf, or ``fallback="eager"``).
 
+Control flow in the root module's own code (its forward, or a function the
+forward calls) has no submodule around it to keep whole, so the message
+says so and offers the ways that can work there: ``fallback="eager"``, or
+keeping the function out of the trace (``torch.fx.wrap``). Module types and
+functions timm marks as not-to-be-traced for fx are honoured as timm's own
+feature extractor honours them: as leaves and as wrapped functions.
+
 Partial capture (``leaf_modules="auto"``) takes the first way out by itself:
 it retraces with the failing submodule as a leaf, the innermost one first so
 that as much of the model as possible stays traced, until tracing succeeds or
@@ -20,12 +27,12 @@ import sys
 import traceback
 import warnings
 from collections import Counter
-from typing import Iterable, Literal, Union
+from typing import Callable, Iterable, Literal, Union
 
 import torch
 import torch.fx as fx
 
-from .errors import CaptureError
+from .errors import TRACEBACK_HINT, CaptureError, debug
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CONCUR_DIR = os.path.dirname(__file__)
@@ -33,6 +40,27 @@ _CONCUR_DIR = os.path.dirname(__file__)
 AUTO = "auto"
 LeafSpec = Union[Iterable["type[torch.nn.Module] | str"], Literal["auto"]]
 AUTO_LEAVES_META = "concur_auto_leaves"  # GraphModule.meta key: paths made leaves by "auto"
+# Where timm keeps its not-to-be-traced registries, newest first.
+_TIMM_FX_REGISTRIES = ("timm.layers._fx", "timm.models._features_fx", "timm.models.fx_features")
+
+
+def timm_notrace() -> tuple[tuple[type, ...], tuple[Callable, ...]]:
+    """Return the module types and functions timm marks as not to be traced by fx (empty without timm).
+
+    timm is never imported here: a timm model has imported it already.
+    """
+    for name in _TIMM_FX_REGISTRIES:
+        registry = sys.modules.get(name)
+        if registry is None:
+            continue
+        get_modules = getattr(registry, "get_notrace_modules", None)
+        get_functions = getattr(registry, "get_notrace_functions", None)
+        modules = get_modules() if callable(get_modules) else getattr(registry, "_leaf_modules", None)
+        functions = get_functions() if callable(get_functions) else getattr(registry, "_autowrap_functions", None)
+        if modules is not None and functions is not None:
+            return (tuple(m for m in modules if isinstance(m, type)),
+                    tuple(f for f in functions if callable(f)))  # timm also takes names: fx needs objects
+    return (), ()
 
 
 class _ConcurTracer(fx.Tracer):
@@ -44,10 +72,11 @@ class _ConcurTracer(fx.Tracer):
     """
 
     def __init__(self, leaf_modules: Iterable["type[torch.nn.Module] | str"] = ()):
-        super().__init__()
+        timm_modules, timm_functions = timm_notrace()
+        super().__init__(autowrap_functions=timm_functions)
         self.proxy_buffer_attributes = True
         leaves = list(leaf_modules)
-        self._leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self._leaf_types = tuple(x for x in leaves if isinstance(x, type)) + timm_modules
         self._leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
         self.failed_module: tuple[str, torch.nn.Module] | None = None
 
@@ -65,15 +94,18 @@ class _ConcurTracer(fx.Tracer):
             raise
 
 
-def _user_location(exc: BaseException) -> str | None:
-    """Return 'file:line: source' of the innermost frame outside torch and concur."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """Return the innermost frame of the traceback outside torch and concur (the user's code)."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = os.path.abspath(frame.filename)
         if not (path.startswith(_TORCH_DIR) or path.startswith(_CONCUR_DIR)):
-            src = (frame.line or "").strip()
-            return f"{frame.filename}:{frame.lineno}: {src}"
+            return frame
     return None
+
+
+def _location(frame: traceback.FrameSummary | None) -> str | None:
+    """Return 'file:line: source' of a frame."""
+    return None if frame is None else f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
 
 
 def _user_stacklevel() -> int:
@@ -103,7 +135,7 @@ def trace(model: torch.nn.Module, leaf_modules: LeafSpec = ()) -> fx.GraphModule
     auto: list[str] = []
     while True:
         try:
-            gm = _trace_once(model, tuple(auto))
+            gm = _trace_once(model, tuple(auto), auto_tried=True)
             break
         except CaptureError as exc:
             if not exc.module_path or exc.module_path in auto:  # the root failed: nothing left to cut
@@ -126,24 +158,62 @@ def trace(model: torch.nn.Module, leaf_modules: LeafSpec = ()) -> fx.GraphModule
     return gm
 
 
-def _trace_once(model: torch.nn.Module, leaf_modules: tuple) -> fx.GraphModule:
+def _trace_once(model: torch.nn.Module, leaf_modules: tuple, auto_tried: bool = False) -> fx.GraphModule:
     tracer = _ConcurTracer(leaf_modules)
     try:
         graph = tracer.trace(model)
     except Exception as exc:
-        path, module = tracer.failed_module or ("", model)
-        where = f"`{path}` ({type(module).__name__})" if path else f"the forward of {type(model).__name__}"
-        location = _user_location(exc)
-        fix_leaf = f"leaf_modules=[{type(module).__name__}]" if path else "leaf_modules=[...] naming the submodule with the control flow"
-        msg = (
-            f"concur could not trace {where}"
-            + (f" at {location}" if location else "")
-            + f": {type(exc).__name__}: {exc}\n"
-            f"Fix: keep that module whole as one opaque operation with "
-            f"concur.optimize(model, inputs, {fix_leaf}) or leaf_modules='auto', "
-            f"or pass fallback='eager' to run the model unchanged."
-        )
-        raise CaptureError(msg, path, type(module).__name__, location) from exc
+        error = _capture_error(model, tracer.failed_module, exc, auto_tried)
+        raise error from (exc if debug() else None)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     gm.meta[AUTO_LEAVES_META] = ()
     return gm
+
+
+def _capture_error(model: torch.nn.Module, failed: tuple[str, torch.nn.Module] | None, exc: Exception,
+                   auto_tried: bool) -> CaptureError:
+    """Return the CaptureError for ``exc``, with the fix that can work where the trace failed.
+
+    In a submodule, keeping that submodule whole works. In the root's own
+    code nothing can be kept whole around it: only running the model
+    unchanged, or keeping the function with the control flow out of the
+    trace, can.
+    """
+    path, module = failed or ("", model)
+    frame = _user_frame(exc)
+    location = _location(frame)
+    at = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+    what = f"{type(exc).__name__}: {exc}"
+    if path:
+        auto = "" if auto_tried else " or leaf_modules='auto'"
+        msg = (f"concur could not trace `{path}` ({type(module).__name__}){at}: {what}\n"
+               f"Fix: keep that module whole as one opaque operation with concur.optimize(model, inputs, "
+               f"leaf_modules=[{type(module).__name__}]){auto}, or pass fallback='eager' to run the model "
+               f"unchanged.")
+    else:
+        name = type(model).__name__
+        inside = f" in {frame.name}()" if frame and frame.name != "forward" else ""
+        msg = (f"concur could not trace {name}'s own code{inside}{at}: {what}\n"
+               f"The control flow is in the root module itself, not in a submodule, so no leaf module "
+               f"can keep it out of the trace" + (" (leaf_modules='auto' tried)" if auto_tried else "")
+               + f".\nFix: pass fallback='eager' to run the model unchanged, or keep "
+               + _wrap_advice(model, frame))
+    error = CaptureError(f"{msg}\n{TRACEBACK_HINT}", path, type(module).__name__, location)
+    error.original = exc
+    return error
+
+
+def _wrap_advice(model: torch.nn.Module, frame: traceback.FrameSummary | None) -> str:
+    """Say how to keep the function holding the control flow out of the trace."""
+    function = frame.name if frame is not None else ""
+    if not function or function == "<module>" or hasattr(type(model), function):  # a method of the model
+        return ("those lines out of the trace: move them into a module-level function and mark it with "
+                "torch.fx.wrap('that_function') at the top level of its file (fx then calls it as one "
+                "operation).")
+    where = os.path.basename(frame.filename)
+    advice = (f"`{function}` out of the trace: torch.fx.wrap('{function}') at the top level of {where} "
+              f"makes fx call it as one operation")
+    if type(model).__module__.split(".")[0] == "timm":
+        advice += (f", or, without editing timm, timm.layers.register_notrace_function({function}) "
+                   f"(concur honours timm's not-traced marks)")
+    return advice + "."

@@ -1,10 +1,30 @@
-"""concur's exceptions: each says what went wrong, where, and what to do about it."""
+"""concur's exceptions: each says what went wrong, where, and what to do about it.
+
+An error about the user's own input or model keeps the exception torch
+raised (``.original``, also ``__context__``) without printing its traceback,
+which is torch's insides and runs to dozens of lines; ``CONCUR_DEBUG=1`` in
+the environment chains and prints it as ``raise ... from`` would.
+"""
 
 from __future__ import annotations
+
+import os
+
+DEBUG_ENV = "CONCUR_DEBUG"
+
+
+def debug() -> bool:
+    """Return True when ``CONCUR_DEBUG`` asks for torch's full tracebacks under concur's errors."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+TRACEBACK_HINT = f"(torch's traceback: the exception's .original, or set {DEBUG_ENV}=1)"
 
 
 class ConcurError(RuntimeError):
     """Base class of every error concur raises on purpose."""
+
+    original: BaseException | None = None  # the exception torch raised, where there is one
 
 
 class CaptureError(ConcurError):
@@ -19,6 +39,19 @@ class CaptureError(ConcurError):
         self.module_path = module_path
         self.module_type = module_type
         self.location = location
+
+
+class ExampleInputError(ConcurError):
+    """The model raised on the example inputs concur runs it on at setup (wrong dtype, device, shape...).
+
+    ``argument`` names the input at fault (``"example_inputs[0]"``) or all of
+    them (``"example_inputs"``); ``original`` is the exception torch raised.
+    """
+
+    def __init__(self, message: str, argument: str, original: BaseException | None = None):
+        super().__init__(message)
+        self.argument = argument
+        self.original = original
 
 
 class PlanError(ConcurError):

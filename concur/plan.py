@@ -13,11 +13,11 @@ import torch.fx as fx
 import schedulers
 from schedulers import Schedule
 
-from .annotate import annotate, tensors_in
+from .annotate import OpFailed, annotate, preserved_state, tensors_in
 from .capture import LeafSpec, trace
 from .codegen import event_count, generate
 from .cost import AnalyticCost, CostModel, assign_costs, roofline_for
-from .errors import PlanError
+from .errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
 from .graph import build_dag, is_free_source
 from .runtime import StreamRuntime
 from .verify import verify_generated
@@ -58,10 +58,91 @@ def analyse(model: torch.nn.Module, example_inputs: tuple, cost_model: CostModel
             leaf_modules: LeafSpec = ()) -> tuple[fx.GraphModule, nx.DiGraph]:
     """Return the traced GraphModule and its costed dependency DAG."""
     traced = trace(model, leaf_modules)
-    annotate(traced, example_inputs)
+    try:
+        annotate(traced, example_inputs)
+    except OpFailed as failure:
+        error = explain_failure(model, example_inputs, failure)
+        raise error from (failure.cause if debug() or not isinstance(error, ConcurError) else None)
     dag = build_dag(traced.graph)
     assign_costs(dag, cost_model or AnalyticCost(roofline_for(device_name(model, example_inputs))))
     return traced, dag
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def _op_name(model: torch.nn.Module, node: fx.Node) -> str:
+    if node.op == "call_module":
+        return f"`{node.target}` ({type(model.get_submodule(str(node.target))).__name__})"
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"`{name}` (graph node {node.name})"
+
+
+def _mismatch(model: torch.nn.Module, example_inputs: tuple) -> str | None:
+    """Return what is wrong with the first input on another device or of another dtype than the model."""
+    state = [*model.parameters(), *model.buffers()]
+    devices = {t.device for t in state}
+    dtypes = {t.dtype for t in state if t.is_floating_point()}
+    for i, value in enumerate(example_inputs):
+        for t in tensors_in(value):
+            if len(devices) == 1 and t.device not in devices:
+                (device,) = devices
+                return (f"example_inputs[{i}] is on {t.device} but the model's parameters are on {device}. "
+                        f"Fix: move the example to the model's device, `x.to('{device}')` (or the model to "
+                        f"the example's, `model.to('{t.device}')`, before concur.optimize)")
+            if len(dtypes) == 1 and t.is_floating_point() and t.dtype not in dtypes:
+                (dtype,) = dtypes
+                return (f"example_inputs[{i}] is {t.dtype} but the model's parameters are {dtype}. "
+                        f"Fix: pass `x.to({dtype})` (or convert the model first, `model.to({t.dtype})`)")
+    return None
+
+
+def _model_runs(model: torch.nn.Module, example_inputs: tuple) -> bool:
+    """Return True if the model itself runs on (clones of) the inputs; its state is left as it was."""
+    inputs = tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    devices = {t.device for t in tensors_in(inputs)} | {p.device for p in model.parameters()}
+    try:
+        with preserved_state(model, devices), torch.no_grad():
+            model(*inputs)
+    except Exception:
+        return False
+    return True
+
+
+def explain_failure(model: torch.nn.Module, example_inputs: tuple, failure: OpFailed) -> BaseException:
+    """Return the exception to raise for an op that failed on the example inputs at setup.
+
+    The model is run eagerly on the same inputs to tell whose fault it is: if
+    it raises too, the inputs are wrong (:class:`ExampleInputError`, naming
+    the input and the fix); if it runs, the trace fixed something these
+    inputs contradict (:class:`CaptureError`). Running out of memory is
+    neither: torch's own error is returned unchanged.
+    """
+    cause = failure.cause
+    if isinstance(cause, (torch.OutOfMemoryError, MemoryError)):
+        return cause
+    where = _op_name(model, failure.node)
+    first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+    torch_says = f"torch raised in {where}: {type(cause).__name__}: {first_line}"
+    shapes = ", ".join(_describe(t) for t in tensors_in(example_inputs)) or "no tensors"
+    if _model_runs(model, example_inputs):
+        message = (f"concur traced {type(model).__name__}, but the traced graph fails on example_inputs "
+                   f"({shapes}) where the model itself runs: {torch_says}. fx fixed a Python value at "
+                   f"trace time (a shape, a flag) that these inputs contradict. Fix: keep the module with "
+                   f"that code whole with leaf_modules=[...], or pass fallback='eager' to run the model "
+                   f"unchanged. {TRACEBACK_HINT}")
+        path = str(failure.node.target) if failure.node.op == "call_module" else ""
+        error: ConcurError = CaptureError(message, path, type(model.get_submodule(path)).__name__, None)
+    else:
+        mismatch = _mismatch(model, example_inputs)
+        argument = mismatch.split(" ", 1)[0] if mismatch else "example_inputs"
+        fix = mismatch or (f"the model fails on example_inputs ({shapes}). Fix: pass example inputs "
+                           f"that `model(*example_inputs)` accepts: concur runs the model once on them "
+                           f"to see what each operation reads and writes")
+        error = ExampleInputError(f"concur: {fix}.\n{torch_says} {TRACEBACK_HINT}", argument, cause)
+    error.original = cause
+    return error
 
 
 def hoistable(dag: nx.DiGraph) -> frozenset[str]:
@@ -79,7 +160,8 @@ def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, sche
     """Return a verified plan running ``model`` on up to ``streams`` streams.
 
     Raises:
-        CaptureError: the model cannot be traced.
+        CaptureError: the model cannot be traced, or its trace fails where the model runs.
+        ExampleInputError: the model itself raises on ``example_inputs``.
         PlanError: the schedule or the generated code violates a dependency (a concur bug).
     """
     traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
