@@ -1,0 +1,369 @@
+"""concur.inductor_streams: concur's schedule stamped on post-grad aten graphs, for inductor's own streams.
+
+All on CPU (torch >= 2.13): the stamps, the syncs checked against an
+independent happens-before oracle on the fx graph, the order inductor's CPU
+wrapper gives them, training through ``torch.compile`` against eager, and
+the FX graph cache. Nothing here runs an event or a stream: CPU has neither,
+and no GPU test exists for this route (the H100 machine has torch 2.11).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+
+import networkx as nx
+import pytest
+import torch
+import torch.fx as fx
+
+import concur
+from concur import _torch_compat as compat
+from concur import inductor_streams as istreams
+from concur.aten_dag import build_aten_dag
+from concur.cost import ROOFLINES
+
+backend_module = importlib.import_module("concur.backend")
+
+pytestmark = pytest.mark.skipif(not compat.has_inductor_node_streams(),
+                                reason="inductor node streams need torch >= 2.13")
+
+CPU = ROOFLINES["cpu"]  # slow enough that three 256x256 matmuls are worth three streams
+
+
+def fork_join(x, w1, w2, w3):
+    a = torch.relu(x @ w1)
+    b = torch.sigmoid(x @ w2)
+    c = torch.tanh(x @ w3)
+    return ((a + b) * c,)
+
+
+def fork_join_graph() -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = [torch.randn(256, 256) for _ in range(4)]
+    return make_fx(fork_join, tracing_mode="fake")(*args), args
+
+
+def options(**kw) -> istreams.StreamOptions:
+    return istreams.StreamOptions(**{"streams": 3, "roofline": CPU, "stamp_cpu": True, **kw})
+
+
+def stream_of(n: fx.Node) -> int | None:
+    return n.meta.get("custom", {}).get("stream")
+
+
+class Branchy(torch.nn.Module):
+    """Three branches, one with BatchNorm (running stats are mutated inputs) and dropout (random)."""
+
+    def __init__(self, width: int = 128):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(width, width) for _ in range(3))
+        self.bn = torch.nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return (torch.relu(self.a(x)) + torch.sigmoid(self.b(x))) * torch.tanh(self.bn(self.c(x)))
+
+
+# -- the stamped graph ------------------------------------------------------------------------------
+
+
+def test_independent_branches_get_different_streams_and_stamps_name_table_slots():
+    gm, _ = fork_join_graph()
+    result = istreams.stamp_graph(gm, options(syncs=False))
+    assert result.reason is None and result.num_streams == 3
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert set(result.stream_of) == {n.name for n in gm.graph.nodes if n.op == "call_function"}
+    branches = {result.stream_of[mm] for mm in ("mm", "mm_1", "mm_2")}
+    assert branches == {0, 1, 2}
+    for name, s in result.stream_of.items():  # stream 0 is the caller's: no stamp; others: a table slot
+        expected = None if s == 0 else istreams.stream_slot(0, False, s)
+        assert stream_of(nodes[name]) == expected
+    # each pointwise op stays with the matmul it reads
+    for mm, pw in (("mm", "relu"), ("mm_1", "sigmoid"), ("mm_2", "tanh")):
+        assert result.stream_of[pw] == result.stream_of[mm]
+
+
+def test_forward_and_backward_graphs_use_different_side_streams():
+    gm_f, _ = fork_join_graph()
+    gm_b, _ = fork_join_graph()
+    istreams.stamp_graph(gm_f, options(syncs=False), backward=False)
+    istreams.stamp_graph(gm_b, options(syncs=False), backward=True)
+    side_f = {stream_of(n) for n in gm_f.graph.nodes} - {None}
+    side_b = {stream_of(n) for n in gm_b.graph.nodes} - {None}
+    assert side_f and side_b and not side_f & side_b
+
+
+def test_ops_without_arithmetic_follow_their_producer():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w1, w2):
+        var, mean = torch.var_mean(x @ w1, dim=0)       # a two-output op: getitems
+        y = (x @ w2).t()                                # a view of a matmul
+        return (var + mean, y.sum(0))
+
+    args = [torch.randn(256, 256) for _ in range(3)]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    result = istreams.stamp_graph(gm, options(syncs=False))
+    assert result.num_streams > 1
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is __import__("operator").getitem or n.target is torch.ops.aten.t.default:
+            assert result.stream_of[n.name] == result.stream_of[n.args[0].name], n.name
+
+
+def test_cpu_graphs_are_left_alone_unless_asked():
+    gm, _ = fork_join_graph()
+    result = istreams.stamp_graph(gm, options(stamp_cpu=False))
+    assert result.num_streams == 1 and "no streams" in result.reason
+    assert all(stream_of(n) is None for n in gm.graph.nodes)
+
+
+def test_graph_with_user_streams_is_left_alone():
+    gm, _ = fork_join_graph()
+    first = next(n for n in gm.graph.nodes if n.op == "call_function")
+    first.meta["custom"] = {"stream": 7}
+    result = istreams.stamp_graph(gm, options())
+    assert result.num_streams == 1 and "already has a stream" in result.reason
+    assert sum(stream_of(n) is not None for n in gm.graph.nodes) == 1
+
+
+# -- the syncs, against an independent happens-before oracle ---------------------------------------
+
+
+def _sync_op(gm: fx.GraphModule, n: fx.Node) -> tuple[str, int, int] | None:
+    """Return ("record"|"wait", event, stream slot) for a control_deps node wrapping an event op."""
+    ops = compat.inductor_stream_ops()
+    if n.op != "call_function" or n.target is not ops.control_deps:
+        return None
+    sub = getattr(gm, n.args[1].target)
+    (op,) = [m for m in sub.graph.nodes if m.op == "call_function"]
+    kind = {ops.record_event: "record", ops.wait_event: "wait"}[op.target]
+    return kind, op.args[0], op.args[1]
+
+
+def check_synced(gm: fx.GraphModule, edges: list[tuple[str, str]], stream: dict[str, int],
+                 backward: bool = False) -> None:
+    """Assert that inductor must order each cross-stream edge u -> v through an event.
+
+    Inductor orders a node after every fx node it takes as an argument
+    (``control_deps`` takes its extra dependencies as one), so a path in the fx
+    graph is an order it keeps. For each edge on two streams there must be a
+    record on u's stream after u and a wait on v's stream, on the same event,
+    after the record and before v.
+    """
+    hb = nx.DiGraph()
+    for n in gm.graph.nodes:
+        hb.add_node(n)
+        for a in n.all_input_nodes:
+            hb.add_edge(a, n)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    syncs = {n: _sync_op(gm, n) for n in gm.graph.nodes}
+    syncs = {n: s for n, s in syncs.items() if s is not None}
+    slot = lambda s: istreams.stream_slot(0, backward, s)  # noqa: E731
+    for u_name, v_name in edges:
+        su, sv = stream.get(u_name, 0), stream.get(v_name, 0)
+        if su == sv:
+            continue
+        u, v = nodes[u_name], nodes[v_name]
+        ok = any(kind == "wait" and st == slot(sv) and nx.has_path(hb, w, v)
+                 and any(k2 == "record" and e2 == event and s2 == slot(su) and nx.has_path(hb, u, r)
+                         and nx.has_path(hb, r, w) for r, (k2, e2, s2) in syncs.items())
+                 for w, (kind, event, st) in syncs.items())
+        assert ok, f"{u_name} (stream {su}) -> {v_name} (stream {sv}) is not ordered by an event"
+    # join: every op on a side stream is before a record there that the caller's stream waits on
+    waits_on_caller = [w for w, (k, _, st) in syncs.items() if k == "wait" and st == slot(0)]
+    for name, s in stream.items():
+        if s == 0:
+            continue
+        assert any(nx.has_path(hb, nodes[name], w) for w in waits_on_caller), f"{name} is not joined"
+
+
+def test_every_cross_stream_edge_of_a_training_graph_waits_on_an_event():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    model, x = Branchy(), torch.randn(32, 128)
+    fn = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture,
+                                                   decompositions=select_decomp_table()))
+    fn(x).sum().backward()
+    assert len(graphs) == 2
+    for backward, gm in enumerate(graphs):
+        dag = build_aten_dag(gm.graph, CPU)
+        edges = list(dag.edges)
+        inputs_read = [(n.name, u.name) for n in gm.graph.nodes if n.op == "call_function"
+                       for u in n.all_input_nodes if u.op == "placeholder"]
+        result = istreams.stamp_graph(gm, options(syncs=True), backward=bool(backward))
+        assert result.num_streams > 1 and result.num_waits > 0, result
+        check_synced(gm, edges, result.stream_of, bool(backward))
+        # side streams read graph inputs only after the fork: a wait on the caller's event
+        for v_name, _ in inputs_read:
+            if result.stream_of[v_name] == 0:
+                continue
+            v = next(n for n in gm.graph.nodes if n.name == v_name)
+            assert all(a.op != "placeholder" for a in v.all_input_nodes), f"{v_name} reads an input unsynced"
+        gm.graph.lint()
+
+
+def test_values_read_on_another_stream_are_recorded_for_the_allocator():
+    gm, _ = fork_join_graph()
+    result = istreams.stamp_graph(gm, options(syncs=True))
+    ops = compat.inductor_stream_ops()
+    recorded = {(n.args[0].name, n.args[1]) for n in gm.graph.nodes if n.target is ops.record_stream}
+    slot = lambda s: istreams.stream_slot(0, False, s)  # noqa: E731
+    s = result.stream_of
+    for producer, consumer in (("sigmoid", "add"), ("tanh", "mul")):
+        assert s[producer] != s[consumer]
+        assert (producer, slot(s[consumer])) in recorded
+    # graph inputs read on side streams too (their allocation stream is unknown)
+    assert ("x_1", slot(s["mm_1"])) in recorded and ("w2_1", slot(s["mm_1"])) in recorded
+    assert result.num_record_streams == len(recorded)
+
+
+# -- what inductor generates from it (CPU) ---------------------------------------------------------
+
+
+def _call_body(source: str) -> list[str]:
+    start = source.index("def call(")
+    end = source.index("return (", start)
+    return source[start:end].splitlines()
+
+
+def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
+    """Inductor's CPU wrapper enters `with streamN:` per stamped node and keeps each record before its wait.
+
+    It does not define the stream names there (only a device guard does, on
+    GPUs), and CPU cannot run the event ops: the code is read, not run.
+    """
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    gm, args = fork_join_graph()
+    stamp = istreams.make_stamp_pass(options(syncs=True))
+    with config.patch(fx_graph_cache=False), compat.post_grad_custom_post_pass(stamp):
+        compiled = compile_fx_inner(gm, args)
+    assert stamp.results and stamp.results[0].num_waits > 0
+    lines = _call_body(compiled.source_code)
+    context, mm_context, record_at, wait_at = None, {}, {}, {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*with (default_stream|stream\d+):", line)
+        if m:
+            context = m.group(1)
+        if "extern_kernels.mm(" in line:
+            mm_context[i] = context
+        m = re.search(r"streams\.(record_event|wait_event)\.default\((\d+), (\d+)\)", line)
+        if m:
+            (record_at if m.group(1) == "record_event" else wait_at).setdefault(int(m.group(2)), []).append(i)
+    assert sorted(mm_context.values()) == ["default_stream", "stream1", "stream2"]  # one matmul per stream
+    assert wait_at and set(wait_at) == set(record_at)
+    for event, waits in wait_at.items():
+        assert max(record_at[event]) < min(waits), f"event {event} waited on before it is recorded"
+    # the join: the caller's stream waits on every side stream after the last kernel
+    last_kernel = max(i for i, line in enumerate(lines) if "cpp_fused" in line or "extern_kernels" in line)
+    caller = str(istreams.stream_slot(0, False, 0))
+    joins = [i for i, line in enumerate(lines) if "wait_event" in line and line.rstrip().endswith(f", {caller})")]
+    assert len([i for i in joins if i > last_kernel]) == 2
+    assert "stream1 = " not in compiled.source_code  # CPU codegen never defines the names it enters
+
+
+def test_stamped_graph_hits_inductor_fx_graph_cache_and_keys_on_the_options():
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import fresh_cache
+
+    def compile_once(opts):
+        gm, args = fork_join_graph()
+        stamp = istreams.make_stamp_pass(opts)
+        with config.patch(fx_graph_cache=True, force_disable_caches=False), \
+                compat.post_grad_custom_post_pass(stamp):
+            compile_fx_inner(gm, args)
+        return stamp.results
+
+    with fresh_cache():
+        assert len(compile_once(options(syncs=False))) == 1
+        assert compile_once(options(syncs=False)) == []           # a hit: the pass did not run
+        assert len(compile_once(options(syncs=False, streams=2))) == 1  # other options: another key
+
+
+def test_pass_uuid_is_stable_and_names_the_options():
+    a = istreams.make_stamp_pass(options()).uuid()
+    assert a == istreams.make_stamp_pass(options()).uuid()
+    assert a != istreams.make_stamp_pass(options(streams=2)).uuid()
+    assert a != istreams.make_stamp_pass(options(), backward=True).uuid()
+    assert a != istreams.make_stamp_pass(options(scheduler="fork")).uuid()
+
+
+# -- dynamo's table of user objects ---------------------------------------------------------------
+
+
+def test_table_entries_come_back_after_dynamo_clears_the_table():
+    from torch._dynamo import graph_bytecode_inputs
+
+    call = istreams.StreamTableCall(lambda args: list(args), torch.device("cpu"), 3)
+    objects = call.objects
+    objects.install()
+    table = compat.external_object_table()
+    slot = istreams.stream_slot(0, True, 2)
+    assert table[slot]() is objects.streams[(True, 2)]
+    graph_bytecode_inputs.store_user_object_weakrefs(object.__new__(type("Obj", (), {})))  # a frame's objects
+    assert slot not in table
+    objects.install()
+    assert table[slot]() is objects.streams[(True, 2)]
+    assert table[istreams.event_slot(0, 5)]() is objects.events[5]
+
+
+# -- training through the backend -----------------------------------------------------------------
+
+
+def _train_once(model: torch.nn.Module, x: torch.Tensor, be) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False):
+        out = torch.compile(model, backend=be)(x)
+        out.sum().backward()
+    return out, [p.grad for p in model.parameters()]
+
+
+def test_training_through_stamped_graphs_equals_eager(monkeypatch):
+    """Stamped forward and backward (no events on CPU) give eager's values, grads and running stats."""
+    monkeypatch.setattr(istreams, "STAMP_CPU", True)
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(32, 128)
+    eager = Branchy()
+    eager.load_state_dict(model.state_dict())
+    be = concur.backend(streams=3, roofline=CPU, route="inductor_streams")
+    out, grads = _train_once(model, x, be)
+    ref = eager(x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for g, p in zip(grads, eager.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean)
+    assert [g.is_backward for g in be.graphs] == [False, True]
+    assert all(g.num_streams > 1 and g.fallback_reason is None for g in be.graphs), be.graphs
+
+
+def test_route_without_inductor_streams_uses_the_wrapper_route_with_a_warning(monkeypatch):
+    monkeypatch.setattr(compat, "has_inductor_node_streams", lambda: False)
+    called = []
+    monkeypatch.setattr(backend_module.ConcurBackend, "_compile_stamped",
+                        lambda *a, **k: called.append(a))
+    be = concur.backend(streams=2, roofline=CPU, route="inductor_streams")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.compile(torch.nn.Linear(8, 8), backend=be)(torch.randn(4, 8))
+    assert not called
+    assert any("route='inductor_streams' needs" in str(w.message) for w in caught)
+
+
+def test_unknown_route_is_refused():
+    with pytest.raises(ValueError, match="route must be one of"):
+        concur.backend(route="segments")
