@@ -350,6 +350,36 @@ def post_grad_custom_post_pass(custom_pass: object) -> Iterator[None]:
         yield
 
 
+def inductor_stream_names(num_streams: int) -> list[str]:
+    """Return the names inductor's wrapper gives streams 0 .. num_streams-1 (``default_stream``, ``stream1``...)."""
+    from torch._inductor.stream_constants import DEFAULT_STREAM, STREAM_NAME_TEMPLATE
+
+    return [DEFAULT_STREAM] + [STREAM_NAME_TEMPLATE.format(stream_idx=i) for i in range(1, num_streams)]
+
+
+def bind_wrapper_names(compiled: object, names: dict) -> None:
+    """Define names in the module of a compiled graph's generated ``call`` (where it looks up globals).
+
+    Raises:
+        ValueError: no generated call was found (see :func:`inductor_wrapper`).
+    """
+    _, namespace, _, _ = inductor_wrapper(compiled)
+    namespace.update(names)
+
+
+def inductor_source_name(node: torch.fx.Node) -> str:
+    """Return the name inductor lists for ``node`` in the "Source Nodes" comment above a kernel's launch.
+
+    Inductor names a node by the first entry of its ``meta["from_node"]`` (in
+    a forward graph, the node of dynamo's graph it was traced from, e.g.
+    ``input_1`` for an ``addmm``); a node without one (the backward's) by its own
+    name.
+    """
+    sources = node.meta.get("from_node")
+    name = getattr(sources[0], "name", None) if isinstance(sources, (list, tuple)) and sources else None
+    return name if isinstance(name, str) else node.name
+
+
 # --- GradScaler and fused optimizers, used by concur.train -----------------------------------
 
 

@@ -32,6 +32,7 @@ import schedulers
 from . import _torch_compat as compat
 from .aten_dag import build_aten_dag
 from .cost import Roofline, roofline_for
+from .inductor_streams import ROUTES, StreamOptions, compile_stamped, snapshot_graph
 from .kernel_streams import PlacedKernels, place_kernels
 
 # Placing kernels loses no fusion, so any schedule on several streams is worth installing.
@@ -57,6 +58,12 @@ class BackendOptions:
     # on by default until the 50-step GPU training test and the sanitizer have run without it:
     # without reuse more kernels overlap, which is what those tests exist to check.
     buffer_reuse: bool = True
+    # "wrapper": inductor compiles each graph whole and concur rewrites its generated call
+    # (concur.kernel_streams). "inductor_streams": concur stamps its schedule onto the post-grad
+    # aten graph and inductor emits the streams and events itself (concur.inductor_streams;
+    # torch >= 2.13, elsewhere the wrapper route with one warning). Tested on CPU only, never
+    # measured on a GPU (the H100 machine has torch 2.11), hence not the default.
+    route: str = "wrapper"
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ class ConcurBackend:
         if options.scheduler not in schedulers.SCHEDULERS:
             raise ValueError(f"unknown scheduler {options.scheduler!r}; choose one of "
                              f"{sorted(schedulers.SCHEDULERS)}")
+        if options.route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {options.route!r}")
         if not options.min_predicted_speedup >= 1.0:
             raise ValueError(f"min_predicted_speedup must be >= 1.0, got {options.min_predicted_speedup!r}")
         self.options = options
@@ -145,10 +154,16 @@ class ConcurBackend:
             self.graphs.append(CompiledGraphInfo(is_backward, num_ops, 0, 1, 0, None,
                                                  one_stream_reason="streams=1"))
             return compiled
+        if o.route == "inductor_streams":
+            if compat.has_inductor_node_streams():
+                return self._compile_stamped(gm, example_inputs, is_backward, num_ops, args, kwargs)
+            if "route" not in self._warned:
+                self._warned.add("route")
+                warnings.warn(f"concur backend: route='inductor_streams' needs inductor's node streams (torch >= "
+                              f"2.13); torch {torch.__version__} has none, so the wrapper route is used", stacklevel=2)
         try:  # costs come from the fx graph, which inductor's post-grad passes rewrite in place
             roof = _roofline(o, example_inputs)
-            dag = build_aten_dag(gm.graph, roof)
-            node_costs = {v: (dag.nodes[v]["cost"], dag.nodes[v]["share"]) for v in dag}
+            node_costs = costs_by_source(gm.graph, build_aten_dag(gm.graph, roof))
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
             self._fall_back(is_backward, num_ops, f"its costs could not be read ({_describe(exc)})")
@@ -174,6 +189,47 @@ class ConcurBackend:
             plan.predicted_speedup if plan else 1.0, plan.num_barriers if plan else 0, placed.one_stream))
         return compiled
 
+    def _compile_stamped(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool, num_ops: int,
+                         args: tuple, kwargs: dict) -> Any:
+        """Compile with concur's schedule stamped on the post-grad graph: inductor emits streams and events."""
+        o = self.options
+        original = snapshot_graph(gm)  # inductor's post-grad passes change gm in place
+        try:
+            options = StreamOptions(o.streams, o.scheduler, _roofline(o, example_inputs), o.min_predicted_speedup)
+            with compat.inductor_buffer_reuse(False) if not o.buffer_reuse else contextlib.nullcontext():
+                done = compile_stamped(gm, example_inputs, options, is_backward, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - run the graph as AOTAutograd gave it, on one stream
+            compiled = compat.inductor_compile_graph(original, example_inputs, *args, **kwargs)
+            self._fall_back(is_backward, num_ops, f"its streams could not be stamped ({_describe(exc)})")
+            return compiled
+        r = done.result
+        self.graphs.append(CompiledGraphInfo(
+            is_backward, num_ops, 0, r.num_streams if r else 0, r.num_waits if r else 0, None,
+            r.ideal_speedup if r else 1.0, r.predicted_speedup if r else 1.0, 0,
+            (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)")))
+        return done.compiled
+
+
+def costs_by_source(graph: fx.Graph, dag: Any) -> dict[str, tuple[float, dict]]:
+    """Return the fx nodes' (cost, share) under the names inductor lists above each launch.
+
+    Those names are the nodes' sources (:func:`compat.inductor_source_name`),
+    not their own: a forward's ``addmm`` is listed as dynamo's ``input_1``.
+    Nodes of one source add up; the share is that of the costliest.
+    """
+    costs: dict[str, tuple[float, dict]] = {}
+    top: dict[str, float] = {}
+    for node in graph.nodes:
+        if node.name not in dag:
+            continue
+        cost, share = dag.nodes[node.name]["cost"], dag.nodes[node.name]["share"]
+        name = compat.inductor_source_name(node)
+        total, best = costs.get(name, (0.0, share))
+        if cost > top.get(name, -1.0):
+            top[name], best = cost, share
+        costs[name] = (total + cost, best)
+    return costs
+
 
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
@@ -185,7 +241,8 @@ def _code(node: ast.stmt) -> str:
 
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
-            min_predicted_speedup: float | None = None, buffer_reuse: bool = True) -> ConcurBackend:
+            min_predicted_speedup: float | None = None, buffer_reuse: bool = True,
+            route: str = "wrapper") -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
     ``torch.compile(model, backend=concur.backend(streams=4))``; the name
@@ -202,9 +259,14 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     default) stops inductor from placing new buffers in dead ones, whose
     reuse chains independent branches: a little more memory, much more
     concurrency (README, "Streams on top of fusion").
+
+    ``route="inductor_streams"`` (torch >= 2.13; tested on CPU, not measured
+    on a GPU) stamps the schedule onto the post-grad graph and lets inductor
+    emit streams and events (:mod:`concur.inductor_streams`) instead of
+    rewriting its wrapper.
     """
     gate = DEFAULT_MIN_PREDICTED_SPEEDUP if min_predicted_speedup is None else min_predicted_speedup
-    return ConcurBackend(BackendOptions(streams, scheduler, roofline, gate, buffer_reuse))
+    return ConcurBackend(BackendOptions(streams, scheduler, roofline, gate, buffer_reuse, route))
 
 
 def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
