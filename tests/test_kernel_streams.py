@@ -313,3 +313,120 @@ def test_buffer_reuse_reaches_inductor_and_either_way_trains_like_eager(reuse, m
     assert seen == [reuse, reuse]  # the forward and the backward graph
     assert inductor_config.allow_buffer_reuse  # restored after each compile
     assert all(g.fallback_reason is None and g.strategy == "kernels" for g in backend.graphs)
+
+
+# ---------------------------------------------------------------- failing closed
+
+
+def fake_compiled(monkeypatch, source: str) -> list:
+    """Make place_kernels read ``source`` as the compiled graph's wrapper; return the list of installed calls."""
+    from concur import _torch_compat as compat
+
+    installed: list = []
+    monkeypatch.setattr(compat, "inductor_wrapper", lambda compiled: (source, {"torch": torch}, None, installed.append))
+    return installed
+
+
+HOISTED = WRAPPER.replace("""        stream0 = get_raw_stream(0)
+""", "").replace("""    with torch.cuda._DeviceGuard(0):
+""", """    stream0 = get_raw_stream(0)
+    with torch.cuda._DeviceGuard(0):
+""")
+
+
+@pytest.mark.parametrize("source,match", [
+    (HOISTED, "stream=stream0, which is not bound by a raw-stream lookup inside the rewritten region"),
+    (WRAPPER.replace("stream=stream0)\n        buf3", "stream=get_raw_stream(0))\n        buf3"),
+     r"stream=get_raw_stream\(0\), which is not the name"),
+    (WRAPPER.replace("buf2 = buf0; del buf0  # reuse", "buf2 = buf0; del buf0; stream0 = mystery(0)"),
+     "rebound by another statement"),
+    (WRAPPER.replace("stream0 = get_raw_stream(0)", "stream0 = get_raw_stream(primals_1)"),
+     "cannot be repeated after a stream switch"),
+])
+def test_a_stream_argument_not_bound_inside_the_region_falls_back(monkeypatch, source, match):
+    """A launch on a stream build_call does not rebind would stay on the caller's stream: the graph is not touched."""
+    from concur.cost import Roofline
+    from concur.kernel_streams import place_kernels
+
+    installed = fake_compiled(monkeypatch, source)
+    roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
+    costs = {"conv_a": (10.0, {}), "conv_b": (20.0, {}), "relu_a": (10.0, {})}
+    with pytest.raises(ValueError, match=match):
+        place_kernels(object(), costs, roof, streams=4, scheduler="critical_path")
+    assert installed == []
+    # the region's own lookup, as inductor writes it, is placed
+    installed = fake_compiled(monkeypatch, WRAPPER)
+    assert place_kernels(object(), costs, roof, streams=4, scheduler="critical_path").installed
+    assert len(installed) == 1
+
+
+SERIAL = """
+import torch
+
+def call(args):
+    primals_1, primals_2, primals_3 = args
+    args.clear()
+    with torch.cuda._DeviceGuard(0):
+        # Topologically Sorted Source Nodes: [conv_a], Original ATen: [aten.convolution]
+        buf0 = extern_kernels.convolution(primals_3, primals_1, stride=(1, 1))
+        mystery(buf0)
+        # Topologically Sorted Source Nodes: [conv_b], Original ATen: [aten.convolution]
+        buf1 = extern_kernels.convolution(primals_3, primals_2, stride=(1, 1))
+    return (buf0, buf1, )
+"""
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_a_plan_its_barriers_serialize_names_the_barrier(monkeypatch, barrier):
+    from concur.cost import Roofline
+    from concur.kernel_streams import place_kernels
+
+    source = SERIAL if barrier else SERIAL.replace("        mystery(buf0)\n", "")
+    installed = fake_compiled(monkeypatch, source)
+    roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
+    result = place_kernels(object(), {"conv_a": (10.0, {}), "conv_b": (10.0, {})}, roof, 4, "critical_path")
+    if barrier:  # the two convolutions are independent, but the call between them is ordered with both
+        assert not result.installed and installed == []
+        assert result.serialized_by is not None and result.serialized_by.node.lineno == 10
+        assert result.one_stream == "the schedule uses one stream"
+    else:
+        assert result.installed and result.serialized_by is None and result.plan.num_streams == 2
+
+
+def test_the_backend_warns_once_naming_the_serializing_statement(monkeypatch):
+    import sys
+    import warnings
+
+    import concur
+    from concur.kernel_program import parse_wrapper
+    from concur.kernel_streams import PlacedKernels
+
+    backend_module = sys.modules["concur.backend"]
+    (mystery,) = [s for s in parse_wrapper(SERIAL, {"torch": torch}).statements if s.kind == "barrier"]
+    monkeypatch.setattr(backend_module, "place_kernels",
+                        lambda *args, **kwargs: PlacedKernels(None, False, 3, "the schedule uses one stream", mystery))
+    torch._dynamo.reset()
+    backend = concur.backend(streams=4)
+    fn = torch.compile(lambda x: torch.relu(x) * 2, backend=backend)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = torch.randn(4)
+            assert torch.equal(fn(x), torch.relu(x) * 2)
+    finally:
+        torch._dynamo.reset()
+    ours = [str(w.message) for w in caught if "concur" in str(w.message)]
+    assert len(ours) == 1 and "`mystery(buf0)` (wrapper line 10)" in ours[0], ours
+    (g,) = backend.graphs
+    assert g.num_streams == 1 and "mystery(buf0)" in g.fallback_reason
+
+
+def test_emission_replays_its_steps_with_the_schedulers_checker(program):
+    """A schedule missing a wait gives a rewritten call that would race: plan_emission refuses it."""
+    import dataclasses
+
+    dag = launch_dag(program, {}, default_cost=1.0)
+    good = two_stream_schedule(program, dag)
+    assert good.waits
+    with pytest.raises(ValueError, match="breaks a dependency.*not ordered"):
+        plan_emission(program, dataclasses.replace(good, waits=good.waits[1:]), dag)
