@@ -274,23 +274,33 @@ def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
     assert "stream1 = " not in compiled.source_code  # CPU codegen never defines the names it enters
 
 
-def test_stamped_graph_hits_inductor_fx_graph_cache_and_keys_on_the_options():
+def test_stamped_graph_hits_inductor_fx_graph_cache_and_keys_on_the_options(monkeypatch):
+    """A stamped graph is cached like any other (the pass has a uuid), under a key that holds the options."""
+    from torch._dynamo.utils import counters
     from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import fresh_cache
 
-    def compile_once(opts):
-        gm, args = fork_join_graph()
-        stamp = istreams.make_stamp_pass(opts)
-        with config.patch(fx_graph_cache=True, force_disable_caches=False), \
-                compat.post_grad_custom_post_pass(stamp):
-            compile_fx_inner(gm, args)
-        return stamp.results
+    monkeypatch.setattr(istreams, "STAMP_CPU", True)
+    model, x = Branchy().eval(), torch.randn(32, 128)
 
+    def compile_once(streams):
+        torch._dynamo.reset()
+        be = concur.backend(streams=streams, roofline=CPU, route="inductor_streams")
+        with config.patch(fx_graph_cache=True, force_disable_caches=False), torch.no_grad():
+            out = torch.compile(model, backend=be)(x)
+        (graph,) = be.graphs
+        return out, graph
+
+    counters.clear()
     with fresh_cache():
-        assert len(compile_once(options(syncs=False))) == 1
-        assert compile_once(options(syncs=False)) == []           # a hit: the pass did not run
-        assert len(compile_once(options(syncs=False, streams=2))) == 1  # other options: another key
+        first, miss = compile_once(3)
+        again, hit = compile_once(3)
+        _, other = compile_once(2)
+    assert miss.num_streams == 3 and miss.one_stream_reason is None
+    assert "cache had the stamped graph" in hit.one_stream_reason  # the pass did not run: a hit
+    assert other.num_streams == 2                                  # other options, another key
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1 and counters["inductor"]["fxgraph_cache_bypass"] == 0
+    torch.testing.assert_close(again, first)
 
 
 def test_pass_uuid_is_stable_and_names_the_options():
