@@ -61,8 +61,10 @@ so on CPU the pass stamps without syncs (for tests) or leaves the graph alone.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import operator
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -110,6 +112,9 @@ class StreamOptions:
     # Stamp CPU graphs too, without events (CPU codegen ignores streams except as fusion
     # boundaries): for tests and to read the stamps; off, CPU graphs are left as they are.
     stamp_cpu: bool = False
+    # Insert events: None where the device has streams; True also on CPU, where the code can be
+    # generated and read but not run (CPU has no events).
+    syncs: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,24 @@ class _Rewriter:
                 items.append(item)
         return node, items
 
+    def check(self, hazards: Sequence[tuple[str, str]]) -> None:
+        """Raise ValueError, before anything is changed, if the rewrite would fail."""
+        if not self.syncs:
+            return
+        nodes = {n.name: n for n in self.graph.nodes}
+        for u_name, v_name in hazards:
+            u, v = nodes.get(u_name), nodes.get(v_name)
+            if u is None or v is None or self.stream.get(u.name, CALLER) == self.stream.get(v.name, CALLER):
+                continue
+            if not any(_tensor_valued(a) and not self._written_by(v, a) for a in v.all_input_nodes):
+                raise ValueError(f"cannot order {v.name} after {u.name} across streams (it reads no tensor "
+                                 "it does not write)")
+        producers = {x for v in self.graph.nodes if v.op == "call_function" for x in v.all_input_nodes
+                     if self.stream.get(x.name, CALLER) != self.stream.get(v.name, CALLER)}
+        needed = len(producers) + len(hazards) + len(set(self.stream.values())) + 1
+        if needed > MAX_EVENTS:
+            raise ValueError(f"the graph may need {needed} events, more than concur keeps ({MAX_EVENTS})")
+
     def rewrite(self, hazards: Sequence[tuple[str, str]]) -> None:
         graph = self.graph
         nodes = {n.name: n for n in graph.nodes}
@@ -382,6 +405,10 @@ def _storage(x: fx.Node) -> fx.Node:
     return x
 
 
+class GraphChanged(RuntimeError):
+    """The stamping failed after it had changed the graph: inductor must not lower that graph."""
+
+
 def graph_device(gm: fx.GraphModule) -> torch.device | None:
     """Return the one device the graph's tensors live on, or None if several (or none)."""
     devices = {v.device for n in gm.graph.nodes for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
@@ -389,18 +416,18 @@ def graph_device(gm: fx.GraphModule) -> torch.device | None:
     return next(iter(devices)) if len(devices) == 1 else None
 
 
-def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = False,
-                syncs: bool | None = None) -> StampResult:
+def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = False) -> StampResult:
     """Stamp a post-grad aten graph with concur's streams and insert the syncs; return what was done.
 
-    ``syncs=None`` inserts events only on devices with streams (CUDA-like);
+    ``options.syncs=None`` inserts events only on devices with streams (CUDA-like);
     CPU graphs are stamped without them when ``options.stamp_cpu``, and left
     alone otherwise. The graph is left untouched (one stream) when it
     already carries streams, spans several devices, or the schedule is not
     worth it.
 
     Raises:
-        ValueError: the plan or the rewrite failed (the caller runs the graph unstamped).
+        ValueError: the graph cannot be stamped; it is unchanged.
+        GraphChanged: the rewrite failed after changing the graph.
     """
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     reason = existing_stream_annotations(gm.graph)
@@ -410,6 +437,7 @@ def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = Fal
     if device is None:
         return StampResult(calls, 1, reason="the graph's tensors are on several devices, or none")
     has_streams = compat.device_has_streams(device)
+    syncs = options.syncs
     if not has_streams and not options.stamp_cpu and not syncs:
         return StampResult(calls, 1, reason=f"{device.type} has no streams")
     stream, result = plan_streams(gm.graph, options)
@@ -420,7 +448,12 @@ def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = Fal
     dag = build_aten_dag(gm.graph, options.roofline)
     hazards = [(u, v) for u, v, kind in dag.edges(data="kind") if kind == "hazard"]
     rewriter = _Rewriter(gm, stream, device.index or 0, backward, syncs)
-    rewriter.rewrite(hazards)
+    rewriter.check(hazards)
+    try:
+        rewriter.rewrite(hazards)
+    except Exception as exc:
+        raise GraphChanged(f"the stream rewrite failed half-way (a concur bug, please report it): "
+                           f"{type(exc).__name__}: {exc}") from exc
     return StampResult(result.num_nodes, result.num_streams, rewriter.num_events, rewriter.num_waits,
                        rewriter.num_record_streams, result.ideal_speedup, result.predicted_speedup, None,
                        result.stream_of)
@@ -451,9 +484,11 @@ def make_stamp_pass(options: StreamOptions, backward: bool = False) -> Any:
                 return
             try:
                 self.results.append(stamp_graph(gm, self.options, self.backward))
-            except Exception as exc:  # noqa: BLE001 - a graph we cannot stamp runs as inductor makes it
-                # the rewrite may have stopped half-way: a half-stamped graph must not reach lowering
-                raise RuntimeError(f"concur could not stamp streams onto this graph: {exc}") from exc
+            except GraphChanged:
+                raise  # a half-stamped graph must not reach lowering: the caller compiles a snapshot
+            except Exception as exc:  # noqa: BLE001 - the graph is unchanged: it runs as inductor makes it
+                calls = sum(1 for n in graph.nodes if n.op == "call_function")
+                self.results.append(StampResult(calls, 1, reason=f"{type(exc).__name__}: {exc}"[:300]))
 
         def uuid(self) -> bytes:
             return compat.hash_for_files(_SOURCES, extra=f"{self.options!r} backward={self.backward}")
@@ -541,3 +576,56 @@ class StreamTableCall:
 
     def __getattr__(self, name: str) -> Any:  # inductor's attributes (e.g. source_code) stay readable
         return getattr(self.compiled, name)
+
+
+# -- the backend's route -------------------------------------------------------------------------
+
+ROUTES = ("wrapper", "inductor_streams")
+# Stamp CPU graphs too (no events; the generated code's stream names are bound to no-op contexts):
+# for tests, which can then train through stamped graphs on CPU. Off: CPU graphs are left alone.
+STAMP_CPU = False
+
+
+@dataclass(frozen=True)
+class StampedCompile:
+    """Inductor's output for one graph compiled with the stamping pass, and what the pass did."""
+
+    compiled: Any
+    result: StampResult | None  # None: the pass did not run (inductor's FX graph cache had the graph)
+
+
+def compile_stamped(gm: fx.GraphModule, example_inputs: Sequence[Any], options: StreamOptions,
+                    is_backward: bool, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> StampedCompile:
+    """Compile one aten graph with inductor, the stamping pass last among its post-grad passes.
+
+    On a device with streams the result is wrapped in :class:`StreamTableCall`
+    (on a cache hit too: the cached code reads the same table indices).
+
+    Raises:
+        Exception: whatever inductor or the pass raised; the caller compiles without the pass.
+    """
+    options = dataclasses.replace(options, stamp_cpu=options.stamp_cpu or STAMP_CPU)
+    stamp_pass = make_stamp_pass(options, is_backward)
+    with compat.post_grad_custom_post_pass(stamp_pass):
+        compiled = compat.inductor_compile_graph(gm, list(example_inputs), *args, **dict(kwargs or {}))
+    result = stamp_pass.results[-1] if stamp_pass.results else None
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    if compat.device_has_streams(device):
+        return StampedCompile(StreamTableCall(compiled, device, options.streams), result)
+    if options.stamp_cpu:
+        # inductor's CPU wrapper enters `with default_stream:` / `with streamN:` it never defines
+        compat.bind_wrapper_names(compiled, {name: contextlib.nullcontext()
+                                             for name in compat.inductor_stream_names(MAX_STREAMS)})
+    return StampedCompile(compiled, result)
+
+
+def snapshot_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """Return a copy of ``gm`` whose nodes inductor's in-place post-grad passes do not touch.
+
+    Kept before a stamped compile, so a failure can compile the graph as
+    AOTAutograd gave it. Metadata dicts are copied, their values (fake
+    tensors) shared; so are the module's attributes.
+    """
+    graph = copy.deepcopy(gm.graph)
+    graph.output_node().meta = copy.copy(gm.graph.output_node().meta)
+    return fx.GraphModule(gm, graph)
