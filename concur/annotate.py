@@ -211,7 +211,7 @@ class _Annotator(ShapeProp):
         with FlopCounterMode(display=False) as counter:
             result = super().run_node(n)
         if self._failure is not None:
-            raise OpFailed(n, self._failure)
+            raise OpFailed(n, self._failure) from self._failure
         rng_used = any(not torch.equal(a, b) for a, b in zip(rng_before, _rng_snapshot(self.devices)))
 
         reads = {storage_key(t) for t in watched}
