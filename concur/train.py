@@ -6,27 +6,55 @@ launches cost nothing at replay, so the concurrency of the plan shows. Hence
 the whole step is captured once per input shape and replayed.
 
 Capture needs warm-up iterations (cuBLAS/cuDNN handles, optimizer state,
-autograd's lazy buffers) and those *train*. So model parameters, buffers and
-optimizer state are snapshotted before warm-up and restored after capture, in
-place (the graph keeps the same addresses): the first replay is then exactly
-the user's first step. A failed capture restores the snapshot too, then falls
-back to fewer streams and finally to eager execution, with one warning each.
+autograd's lazy buffers) and those *train*. So model parameters, buffers,
+gradients and optimizer state are snapshotted before warm-up and restored
+after capture, in place (the graph keeps the same addresses): the first
+replay is then exactly the user's first step. A failed capture restores the
+snapshot too, then falls back to fewer streams and finally to eager
+execution, with one warning each.
+
+A replay reruns the kernels of its capture with the arguments of its
+capture, so whatever the step reads from Python is frozen in it:
+
+- Hyperparameters. For SGD, Adam and AdamW the captured update reads them
+  from device tensors written from the param groups before each replay
+  (:mod:`concur.captured_optim`), so every ``lr_scheduler`` works on the
+  user's plain floats. Other optimizers, and fused ones stepped by a
+  GradScaler, keep their own ``step()``; their graphs are keyed on the
+  hyperparameter values, so a new value is a new capture (warned once).
+- Everything else the trace depends on is fingerprinted on every call and is
+  part of the graph's key: the train/eval flag of every module, the
+  ``requires_grad`` of every parameter, the module tree (counted through
+  torch's module/parameter/buffer registration hooks, so it is walked again
+  only after a registration somewhere), the param groups and
+  ``optimizer.load_state_dict`` calls. A change gives a new capture (LRU
+  cache), never a replay of a stale graph. ``model.load_state_dict`` copies
+  in place and needs none.
+- Gradients live in buffers owned by the step, allocated outside the graphs
+  for the parameters the probe backward reaches, so graphs for different
+  shapes and for the positions of a gradient-accumulation cycle all
+  accumulate into the same tensors, and ``p.grad`` shows them after a call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
 from . import api
+from . import captured_optim
 from .backend import ConcurBackend, backend
 from .annotate import tensors_in
+
+BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -37,13 +65,35 @@ def _signature(inputs: tuple, targets: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors_in((inputs, targets)))
 
 
+_REGISTRATIONS = [0]  # module, parameter and buffer registrations anywhere since import
+
+
+def _count_registration(*args: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+@functools.cache
+def _watch_registrations() -> None:
+    """Count assignments of submodules, parameters and buffers (torch's global registration hooks).
+
+    Walking a 240-module model costs ~0.6 ms, reading its flags from a kept
+    list ~0.05 ms: the tree is walked again only after the count moved.
+    """
+    from torch.nn.modules import module as module_mod
+
+    for name in ("register_module_module_registration_hook", "register_module_parameter_registration_hook",
+                 "register_module_buffer_registration_hook"):
+        getattr(module_mod, name)(_count_registration)
+
+
 @dataclass
 class _Captured:
-    graph: "torch.cuda.CUDAGraph"
+    graph: Any  # torch.cuda.CUDAGraph, or the CPU tests' emulation
     static_inputs: tuple
     static_targets: Any
     static_loss: torch.Tensor
     streams: int
+    grads: dict = field(default_factory=dict)  # parameter -> the gradient buffer the graph accumulates into
 
 
 class _Snapshot:
@@ -52,7 +102,8 @@ class _Snapshot:
     The RNG state matters for dropout: warm-up draws masks, and without the
     restore the first replay would draw different masks than the user's first
     eager step, so the same seed would not give the same run. The loss scale
-    matters for fp16: warm-up steps may back it off or grow it.
+    matters for fp16: warm-up steps may back it off or grow it. Gradients are
+    restored into the same tensor objects: graphs accumulate into them.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -64,7 +115,7 @@ class _Snapshot:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
-        self.grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
+        self.grads = {p: (None if p.grad is None else (p.grad, p.grad.detach().clone())) for p in model.parameters()}
         self.state = {(p, k): v.detach().clone() for p, s in optimizer.state.items()
                       for k, v in s.items() if isinstance(v, torch.Tensor)}
 
@@ -73,7 +124,9 @@ class _Snapshot:
         for live, saved in self.tensors:
             live.copy_(saved)
         for p, g in self.grads.items():
-            p.grad = g
+            if g is not None:
+                g[0].copy_(g[1])
+            p.grad = None if g is None else g[0]
         for p, s in self.optimizer.state.items():
             for k, v in list(s.items()):
                 if not isinstance(v, torch.Tensor):
@@ -89,9 +142,40 @@ class _Snapshot:
             compat.reset_grad_scaler(self.grad_scaler, *self.scaler_state)
 
 
+class _CudaGraphs:
+    """Capture and replay with ``torch.cuda.CUDAGraph``; warm-up on a side stream, as torch's docs prescribe."""
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream().wait_stream(side)
+
+    def capture(self, body: Callable[[], torch.Tensor], step: "TrainStep") -> tuple[Any, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+        return graph, out
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def failed(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def _graph_runner(on_cuda: bool) -> _CudaGraphs | None:
+    """The capture machinery for these inputs: CUDA graphs, or None (eager). CPU tests swap in an emulation."""
+    return _CudaGraphs() if on_cuda else None
+
+
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Set ``capturable=True`` where the optimizer has it (Adam, AdamW, ...), moving step counters."""
+    """Set ``capturable=True`` where the optimizer has it (NAdam, RAdam, ...), moving step counters."""
     for group in optimizer.param_groups:
+        if not all(p.is_cuda for p in group["params"]):  # capturable asserts CUDA (the CPU tests emulate graphs)
+            continue
         if "capturable" in group and not group["capturable"]:
             group["capturable"] = True
             for p in group["params"]:
@@ -108,6 +192,18 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                              "first step would differ from eager PyTorch. Use cuda_graph=False.")
 
 
+def _hashable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))  # read by the kernels where it lives, not baked as a float
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 class TrainStep:
     """Callable ``step(inputs, targets) -> loss`` running one optimizer step; see :func:`train_step`."""
 
@@ -116,7 +212,8 @@ class TrainStep:
                  max_graphs: int, warmup: int, compile: bool = False,
                  amp_dtype: torch.dtype | None = None,
                  grad_scaler: "torch.amp.GradScaler | None" = None,
-                 compile_options: dict[str, Any] | None = None):
+                 compile_options: dict[str, Any] | None = None,
+                 accumulate: int = 1, before_step: BeforeStep | None = None):
         inputs, _ = example_batch
         self.compile_options = dict(compile_options or {})
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
@@ -126,15 +223,18 @@ class TrainStep:
         self.compile = compile
         self.amp_dtype = amp_dtype
         self.max_graphs, self.warmup = max_graphs, warmup
+        self.accumulate, self.before_step = accumulate, before_step
+        self.micro = 0  # position of the next call in the accumulation cycle
         self._example = _as_tuple(inputs)  # plans for other stream counts are built from it
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
         self._module(streams)
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
-        if cuda_graph and not on_cuda:
+        self._runner = _graph_runner(on_cuda) if cuda_graph else None
+        if cuda_graph and self._runner is None:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
                           "in issue order (same results as the plain loop).", stacklevel=3)
-        self.cuda_graph = cuda_graph and on_cuda
+        self.cuda_graph = self._runner is not None
         # Under GradScaler a plain optimizer asks found_inf.item() on the host, which a graph
         # cannot capture; fused ones skip an overflowing step on the device.
         if self.cuda_graph and self.grad_scaler is not None and not compat.enable_device_side_amp_skip(optimizer):
@@ -142,18 +242,36 @@ class TrainStep:
                           "infinities on the host, which a CUDA graph cannot capture; running the "
                           "concurrent plan eagerly. Use SGD, Adam or AdamW (made fused=True "
                           "automatically) to keep the graph.", stacklevel=3)
-            self.cuda_graph = False
+            self.cuda_graph, self._runner = False, None
+        self._loads = [0]  # optimizer.load_state_dict calls
+        self._hyper: captured_optim.DeviceHyperparameters | None = None
+        self._baked_reason = ""  # why hyperparameters are baked into graphs (and keyed on), if they are
         if self.cuda_graph:
             _check_optimizer(optimizer)
-            _make_capturable(optimizer)
+            reason = "it is stepped by a GradScaler" if self.grad_scaler is not None else \
+                captured_optim.unsupported_reason(optimizer)
+            if reason is None:
+                self._hyper = captured_optim.DeviceHyperparameters(optimizer)
+            else:
+                self._baked_reason = reason
+                _make_capturable(optimizer)
+            loads = self._loads
+            optimizer.register_load_state_dict_post_hook(lambda opt: loads.__setitem__(0, loads[0] + 1))
+        _watch_registrations()
+        self._registrations = _REGISTRATIONS[0]
+        self._tree = self._walk()
+        self._tree_version = 0
+        self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self._bound: _Captured | None = None
+        self._last_baked: tuple | None = None
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self.eager_shapes: set[tuple] = set()
+        self.eager_keys: set[tuple] = set()
         self._warned: set[str] = set()
 
     @property
     def module(self) -> nn.Module:
         """The concurrent module with the requested stream count."""
-        return self.modules[self.requested_streams]
+        return self._module(self.requested_streams)
 
     def _module(self, streams: int) -> nn.Module:
         if streams not in self.modules:
@@ -172,6 +290,8 @@ class TrainStep:
             self._warned.add(message)
             warnings.warn(message, stacklevel=3)
 
+    # --- the work of one call, shared by the eager path, warm-up and capture -------------------
+
     def _loss(self, module: nn.Module, inputs: tuple, targets: Any) -> torch.Tensor:
         """Forward and loss, under autocast when ``amp_dtype`` is set (backward runs outside it)."""
         if self.amp_dtype is None:
@@ -181,95 +301,238 @@ class TrainStep:
         with torch.autocast(device, dtype=self.amp_dtype, cache_enabled=False):
             return self.loss_fn(module(*inputs), targets)
 
-    def eager_step(self, inputs: tuple, targets: Any, module: nn.Module | None = None) -> torch.Tensor:
-        """One step without a graph: zero_grad, forward, loss, backward, optimizer.step."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(self.module if module is None else module, inputs, targets)
-        self._backward_and_step(loss)
-        return loss.detach()
-
-    def _backward_and_step(self, loss: torch.Tensor) -> None:
-        """``loss.backward(); optimizer.step()``, through the loss scaler when there is one."""
+    def _backward(self, loss: torch.Tensor) -> None:
+        """``(loss / k).backward()``, through the loss scaler when there is one."""
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
         if self.grad_scaler is None:
             loss.backward()
-            self.optimizer.step()
+        else:
+            self.grad_scaler.scale(loss).backward()
+
+    def _update(self, optimizer_step: Callable[[], Any]) -> None:
+        """``before_step(model, optimizer)`` then the optimizer step, as PyTorch's (AMP) recipe orders them."""
+        if self.grad_scaler is None:
+            if self.before_step is not None:
+                self.before_step(self.model, self.optimizer)
+            optimizer_step()
             return
-        self.grad_scaler.scale(loss).backward()
+        if self.before_step is not None:  # clipping needs true gradients: unscale first, as the AMP recipe does
+            self.grad_scaler.unscale_(self.optimizer)
+            self.before_step(self.model, self.optimizer)
         self.grad_scaler.step(self.optimizer)
         self.grad_scaler.update()
 
+    def _eager(self, inputs: tuple, targets: Any, module: nn.Module, phase: tuple[bool, bool]) -> torch.Tensor:
+        """One call without a graph: zero_grad (first of a cycle), forward, backward, update (last of a cycle)."""
+        first, last = phase
+        if first:
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(module, inputs, targets)
+        self._backward(loss)
+        if last:
+            self._update(self.optimizer.step)
+        return loss.detach()
+
+    def _micro_step(self, module: nn.Module, inputs: tuple, targets: Any, phase: tuple[bool, bool],
+                    zero: list[torch.Tensor], optimizer_step: Callable[[], Any]) -> torch.Tensor:
+        """The captured body: the eager call with gradients zeroed in place (their buffers are the graph's)."""
+        first, last = phase
+        if first and zero:
+            torch._foreach_zero_(zero)
+        loss = self._loss(module, inputs, targets)
+        self._backward(loss)
+        if last:
+            self._update(optimizer_step)
+        # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
+        # nodes alive, bound to this capture's stream, and a later capture would reuse them.
+        return loss.detach()
+
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         inputs = _as_tuple(inputs)
-        if not self.cuda_graph:
-            return self.eager_step(inputs, targets)
-        key = _signature(inputs, targets)
+        self._check_tree()
+        phase = self._phase()
+        if self.cuda_graph:
+            loss = self._graph_call(inputs, targets, phase)
+        else:
+            loss = self._eager(inputs, targets, self.module, phase)
+        self.micro = (self.micro + 1) % self.accumulate
+        return loss
+
+    def _phase(self) -> tuple[bool, bool]:
+        """(first, last): whether this call starts an accumulation cycle (zero gradients) and ends it (step)."""
+        return self.micro == 0, self.micro == self.accumulate - 1
+
+    # --- graphs --------------------------------------------------------------------------------
+
+    def _walk(self) -> tuple:
+        return tuple(self.model.modules()), tuple(self.model.parameters()), tuple(self.model.buffers())
+
+    def _check_tree(self) -> None:
+        """After a registration anywhere, walk the model again; if its tree changed, rebuild the plans.
+
+        A plan traced before a submodule was replaced would still call the
+        old one, so the concurrent modules are rebuilt from the new tree.
+        """
+        if self._registrations == _REGISTRATIONS[0]:
+            return
+        self._registrations = _REGISTRATIONS[0]
+        tree = self._walk()
+        if any(len(a) != len(b) or any(x is not y for x, y in zip(a, b)) for a, b in zip(tree, self._tree)):
+            self._tree, self._tree_version = tree, self._tree_version + 1
+            self.modules.clear()
+            self.backends.clear()
+
+    def _state_key(self) -> tuple:
+        """What a captured step depends on besides input shapes, read on every call (~50 us at 240 modules)."""
+        modules, params, _ = self._tree
+        groups = self.optimizer.param_groups
+        return (self._tree_version, self._loads[0],
+                tuple([m.training for m in modules]), tuple([p.requires_grad for p in params]),
+                tuple([(id(g["params"]), len(g["params"])) for g in groups]), self._hyperparameter_key())
+
+    def _hyperparameter_key(self) -> tuple:
+        if self._hyper is not None:  # values are refreshed before each replay; only the code's shape counts
+            return captured_optim.structure(self.optimizer)
+        return tuple(tuple((k, _hashable(v)) for k, v in g.items() if k != "params")
+                     for g in self.optimizer.param_groups)
+
+    def _graph_call(self, inputs: tuple, targets: Any, phase: tuple[bool, bool]) -> torch.Tensor:
+        key = (_signature(inputs, targets), phase, self._state_key())
         captured = self.graphs.get(key)
-        if captured is None and key not in self.eager_shapes:
-            captured = self._capture_with_fallback(inputs, targets, key)
+        baked = self._hyperparameter_key() if self._hyper is None else None
+        if captured is None and key not in self.eager_keys:
+            self._warn_if_values_are_baked(baked)
+            captured = self._capture_with_fallback(inputs, targets, key, phase)
+        self._last_baked = baked
         if captured is None:
-            return self.eager_step(inputs, targets, self._module(1))
+            return self._eager(inputs, targets, self._module(1), phase)
         self.graphs.move_to_end(key)
+        if self._hyper is not None:
+            self._hyper.refresh()
+        if not phase[0]:
+            self._gradients_into(captured)
         for static, new in zip(tensors_in((captured.static_inputs, captured.static_targets)),
                                tensors_in((inputs, targets))):
             static.copy_(new, non_blocking=True)
         captured.graph.replay()
+        self._bind_gradients(captured)
         # A clone: the static loss is overwritten by the next replay, and users keep losses.
         return captured.static_loss.detach().clone()
 
-    def _capture_with_fallback(self, inputs: tuple, targets: Any, key: tuple) -> _Captured | None:
+    def _warn_if_values_are_baked(self, values: tuple) -> None:
+        if self._hyper is None and self._last_baked is not None and values != self._last_baked:
+            self._warn_once(f"concur.train_step: the hyperparameters of {type(self.optimizer).__name__} changed "
+                            f"after capture; because {self._baked_reason}, its graphs hold the values of their "
+                            "capture, so each new value is captured anew (warm-up and capture each time). For a "
+                            "schedule that changes every step use SGD, Adam or AdamW without a GradScaler, whose "
+                            "hyperparameters the graph reads from device tensors, or cuda_graph=False.")
+
+    def _gradients_into(self, captured: _Captured) -> None:
+        """Carry gradients accumulated outside this graph (eager calls, another cycle position) into its buffers.
+
+        A ``zero_grad()`` between micro-batches leaves None: the graph then
+        starts from zeros, as the plain loop would.
+        """
+        with torch.no_grad():
+            for p, buf in captured.grads.items():
+                g = p.grad
+                if g is not buf:
+                    buf.copy_(g) if g is not None else buf.zero_()
+
+    def _bind_gradients(self, captured: _Captured) -> None:
+        """Point each ``p.grad`` at the buffer this graph accumulated into, as the plain loop's ``.grad``."""
+        first = next(iter(captured.grads.items()), None)
+        if self._bound is captured and (first is None or first[0].grad is first[1]):
+            return
+        for p, buf in captured.grads.items():
+            p.grad = buf
+        self._bound = captured
+
+    def _graph_limit(self) -> int:
+        return self.max_graphs * min(self.accumulate, 3)  # first, middle and last position of a cycle
+
+    def _capture_with_fallback(self, inputs: tuple, targets: Any, key: tuple,
+                               phase: tuple[bool, bool]) -> _Captured | None:
         attempts = [self.requested_streams] + ([1] if self.requested_streams > 1 else [])
         for streams in attempts:
             try:
-                captured = self._capture(inputs, targets, streams)
+                captured = self._capture(inputs, targets, streams, phase)
             except Exception as exc:  # OOM or an op that cannot be captured
                 self._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                                 "falling back to " + ("1 stream." if streams > 1 else "eager execution."))
-                torch.cuda.empty_cache()
+                self._runner.failed()
                 continue
-            if len(self.graphs) >= self.max_graphs:
-                evicted, _ = self.graphs.popitem(last=False)
-                self._warn_once(f"concur.train_step: more than {self.max_graphs} input shapes; "
-                                "evicting the least recently used captured graph.")
+            if len(self.graphs) >= self._graph_limit():
+                self.graphs.popitem(last=False)
+                self._warn_once(f"concur.train_step: more than {self._graph_limit()} captured graphs (input "
+                                "shapes, cycle positions, train/eval or frozen states); evicting the least "
+                                "recently used.")
             self.graphs[key] = captured
             return captured
-        self.eager_shapes.add(key)
+        self.eager_keys.add(key)
         return None
 
-    def _capture(self, inputs: tuple, targets: Any, streams: int) -> _Captured:
+    def _gradient_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        buf = self._grad_buffers.get(p)
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+            buf = self._grad_buffers[p] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return buf
+
+    def _parameters_with_gradients(self, module: nn.Module, inputs: tuple, targets: Any) -> list[torch.Tensor]:
+        """The parameters one backward reaches (the plain loop's non-None ``.grad``): a probe, undone by the snapshot."""
+        params = list(self.model.parameters())
+        for p in params:
+            p.grad = None
+        self._loss(module, inputs, targets).backward()
+        reached = [p for p in params if p.grad is not None]
+        for p in reached:
+            p.grad = None
+        return reached
+
+    def _capture(self, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool]) -> _Captured:
         module = self._module(streams)
+        runner = self._runner
         snapshot = _Snapshot(self.model, self.optimizer, self.grad_scaler)
         clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
         static_inputs = tuple(clone(x) for x in inputs)
         static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
             type(targets)(clone(t) for t in targets)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with runner.side_stream():
+                reached = self._parameters_with_gradients(module, static_inputs, static_targets)
+            # Allocated on the caller's stream, outside every graph: all graphs share them.
+            grads = {p: self._gradient_buffer(p) for p in reached}
+            for p, buf in grads.items():
+                p.grad = buf
+            optimized = [grads[p] for g in self.optimizer.param_groups for p in g["params"] if p in grads]
+            body = functools.partial(self._micro_step, module, static_inputs, static_targets, phase, optimized,
+                                     self._captured_optimizer_step(grads))
+            with runner.side_stream():
                 for _ in range(self.warmup):
-                    self.eager_step(static_inputs, static_targets, module)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            self.optimizer.zero_grad(set_to_none=True)
-            with torch.cuda.graph(graph):
-                loss = self._loss(module, static_inputs, static_targets)
-                self._backward_and_step(loss)
-            # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
-            # nodes alive, bound to this capture's stream, and a later capture would reuse them.
-            loss = loss.detach()
+                    body()
+            graph, loss = runner.capture(body, self)
         finally:
             snapshot.restore()
-            torch.cuda.synchronize()
-        return _Captured(graph, static_inputs, static_targets, loss, streams)
+            runner.synchronize()
+        return _Captured(graph, static_inputs, static_targets, loss, streams, grads)
+
+    def _captured_optimizer_step(self, grads: dict[torch.Tensor, torch.Tensor]) -> Callable[[], Any]:
+        """The update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
+        if self._hyper is None:
+            return self.optimizer.step
+        self._hyper.sync_groups()
+        compat.note_optimizer_stepped(self.optimizer)
+        return captured_optim.build_update(self.optimizer, self._hyper, grads)
 
 
 def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_batch: tuple,
                streams: int | str = 4, cuda_graph: bool = True, *, compile: bool = False,
                amp_dtype: torch.dtype | None = None,
                grad_scaler: "torch.amp.GradScaler | None" = None, scheduler: str = "critical_path",
-               max_graphs: int = 4, warmup: int = 3, compile_options: dict[str, Any] | None = None
-               ) -> TrainStep:
+               max_graphs: int = 4, warmup: int = 3, compile_options: dict[str, Any] | None = None,
+               accumulate: int = 1, before_step: BeforeStep | None = None) -> TrainStep:
     """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
 
     ``example_batch`` is ``(inputs, targets)``; inputs are a tensor or a tuple
@@ -278,6 +541,28 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     the concurrent plan, backward, optimizer step) is captured once per input
     shape and replayed; ``streams=1`` is the serial baseline through the same
     path. Without CUDA it runs eagerly in the plan's issue order.
+
+    Use it as the body of a plain loop: ``lr_scheduler.step()``,
+    ``model.eval()``/``train()`` of any submodule, ``requires_grad_(False)``,
+    ``optimizer.add_param_group`` and ``load_state_dict`` between calls all
+    take effect under graphs too (hyperparameters of SGD, Adam and AdamW are
+    read from device tensors refreshed before each replay; other changes, and
+    hyperparameters of other optimizers, give a new capture).
+
+    ``before_step(model, optimizer)`` runs after backward and before the
+    optimizer step, inside the graph: gradient clipping, e.g.
+    ``before_step=lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)``
+    (or ``clip_grad_value_``). Under a GradScaler the gradients are unscaled
+    first (``scaler.unscale_``), as in PyTorch's AMP recipe. Under graphs it
+    runs at capture only: it must not read tensors on the host (``.item()``,
+    ``error_if_nonfinite=True``), and Python values it reads are frozen.
+
+    ``accumulate=k`` accumulates gradients over k calls, PyTorch's recipe:
+    each call backpropagates ``loss / k`` (and returns the loss undivided);
+    every k-th call runs ``before_step`` and the optimizer step, and the next
+    call starts from zero gradients. Under graphs each position of the cycle
+    (first, middle, last) has its own graph; all accumulate into the same
+    gradient tensors, which ``p.grad`` shows after each call.
 
     ``compile=True`` runs the model through ``torch.compile`` with the concur
     backend (:mod:`concur.backend`): inductor's fused kernels on the streams,
@@ -300,11 +585,18 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     skip of an overflowing step happens on the device: SGD, Adam and AdamW
     are switched to their fused implementations, which support that; other
     optimizers run eagerly with a warning.
+
+    ``max_graphs`` bounds the cached graphs per position of the accumulation
+    cycle (least recently used are evicted).
     """
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
     if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
         raise TypeError("example_batch must be a pair (inputs, targets)")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive int (micro-batches per optimizer step), got {accumulate!r}")
+    if before_step is not None and not callable(before_step):
+        raise TypeError(f"before_step must be callable as before_step(model, optimizer), got {before_step!r}")
     if streams == "auto":
         streams, scheduler, cuda_graph = _auto_configuration(
             model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype)
@@ -313,7 +605,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     if compile_options and not compile:
         raise ValueError("compile_options are options of the torch.compile backend: pass compile=True too")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
-                     max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options)
+                     max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step)
 
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,

@@ -165,10 +165,10 @@ def test_compile_options_reach_the_backend_and_need_compile():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="compile=True"):
         concur.train_step(model, nn.CrossEntropyLoss(), opt, batch, cuda_graph=False,
-                          compile_options={"event_delay_launches": 5})
+                          compile_options={"buffer_reuse": False})
     step = concur.train_step(model, nn.CrossEntropyLoss(), opt, batch, streams=2, cuda_graph=False, compile=True,
-                             compile_options={"event_delay_launches": 5})
-    assert step.backends[2].options.event_delay_launches == 5
+                             compile_options={"buffer_reuse": False})
+    assert step.backends[2].options.buffer_reuse is False
 
 
 def test_snapshot_restores_the_loss_scale_even_if_warm_up_created_it():
