@@ -350,6 +350,23 @@ def post_grad_custom_post_pass(custom_pass: object) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def inductor_peak_memory_reordering(enabled: bool) -> Iterator[None]:
+    """Let inductor's scheduler reorder nodes to lower peak memory (``reorder_for_peak_memory``), or not.
+
+    On, it may issue a stream's consumer before another branch's first kernel
+    (seen on CPU with torch 2.14.1); off, it keeps the fx graph's order.
+    A torch without the setting has no such reordering: nothing to patch.
+    """
+    from torch._inductor import config
+
+    if not hasattr(config, "reorder_for_peak_memory"):
+        yield
+        return
+    with config.patch(reorder_for_peak_memory=enabled):
+        yield
+
+
 def inductor_stream_names(num_streams: int) -> list[str]:
     """Return the names inductor's wrapper gives streams 0 .. num_streams-1 (``default_stream``, ``stream1``...)."""
     from torch._inductor.stream_constants import DEFAULT_STREAM, STREAM_NAME_TEMPLATE

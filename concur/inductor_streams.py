@@ -115,6 +115,10 @@ class StreamOptions:
     # Insert events: None where the device has streams; True also on CPU, where the code can be
     # generated and read but not run (CPU has no events).
     syncs: bool | None = None
+    # Issue kernels in the schedule's order: the fx graph is put in that order and inductor's
+    # reordering for peak memory is off while the graph compiles (on, it issued a stream-0
+    # consumer before a third branch's matmul in the CPU test). Unmeasured either way on a GPU.
+    keep_order: bool = True
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,11 @@ class StampResult:
 # -- planning: which stream each fx node runs on -------------------------------------------------
 
 
-def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int], StampResult]:
-    """Return (stream per call_function node name, summary); an empty mapping keeps the graph on one stream.
+def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int], tuple[str, ...], StampResult]:
+    """Return (stream per call_function node name, issue order, summary); no streams keep the graph on one.
+
+    The issue order is the schedule's, over the DAG's nodes (``getitem``
+    unpacks are not in it: they follow their op).
 
     Ops that do no arithmetic follow their data: a ``getitem`` or a view runs
     on the stream of the op whose output it unpacks or aliases, and a view of
@@ -149,16 +156,16 @@ def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int
     calls = [n for n in graph.nodes if n.op == "call_function"]
     dag = build_aten_dag(graph, roof)
     if options.streams == 1 or dag.number_of_nodes() < 2:
-        return {}, StampResult(len(calls), 1, reason="one stream")
+        return {}, (), StampResult(len(calls), 1, reason="one stream")
     coarse = schedulers.coarsen(dag, min_cost=MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
     schedule = schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, options.streams, options.scheduler))
     serial_us = schedulers.serial(dag).makespan
     if schedule.num_streams == 1 or schedule.makespan <= 0:
-        return {}, StampResult(len(calls), 1, reason="the schedule uses one stream")
+        return {}, (), StampResult(len(calls), 1, reason="the schedule uses one stream")
     ideal = serial_us / schedule.makespan
     predicted = serial_us / schedulers.simulate_shared(dag, schedule)
     if predicted < options.min_predicted_speedup:
-        return {}, StampResult(len(calls), 1, ideal_speedup=ideal, predicted_speedup=predicted,
+        return {}, (), StampResult(len(calls), 1, ideal_speedup=ideal, predicted_speedup=predicted,
                                reason=f"predicted {predicted:.2f}x < {options.min_predicted_speedup:.2f}x")
     problems = schedulers.validate(dag, schedule)
     if problems:
@@ -175,8 +182,8 @@ def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int
             readers = [stream[u.name] for u in n.users if u.name in stream]
             stream[n.name] = readers[0] if readers else stream.get(n.name, 0)
     used = sorted(set(stream.values()))
-    return stream, StampResult(len(calls), len(used), ideal_speedup=ideal, predicted_speedup=predicted,
-                               stream_of=dict(stream))
+    return stream, tuple(schedule.order), StampResult(len(calls), len(used), ideal_speedup=ideal,
+                                                     predicted_speedup=predicted, stream_of=dict(stream))
 
 
 def _reads_an_op(n: fx.Node) -> bool:
@@ -349,12 +356,14 @@ class _Rewriter:
             _, (item,) = self.sync(self.ops.wait_event, (events[u], self.slot(sv)), (recorded[u],), (carrier,), v, sv)
             self.num_waits += 1
             self._rewire(carrier, item, [v])
-        # 4. join: the caller's stream waits on every side stream before the call returns
+        # 4. join: the caller's stream waits on every side stream before the call returns. A sink
+        # already ordered before a wait of the caller's stream (its value is read there) needs none.
+        joined = self._before_caller_waits()
         for s in sorted(set(self.stream.values()) - {CALLER}):
             on_s = [n for n in graph.nodes if n.op == "call_function" and self.stream.get(n.name) == s
                     and n.target is not self.ops.control_deps]
             sinks = [n for n in on_s if not any(self.stream.get(u.name) == s for u in n.users)]
-            if not sinks:
+            if all(n in joined for n in sinks):
                 continue
             event = self.new_event()
             record, _ = self.sync(self.ops.record_event, (event, self.slot(s)), sinks, (), output, s)
@@ -362,6 +371,25 @@ class _Rewriter:
             self.num_waits += 1
         graph.lint()
         self.gm.recompile()
+
+    def _before_caller_waits(self) -> set[fx.Node]:
+        """Return the nodes inductor must order before some wait of the caller's stream (fx ancestors)."""
+        caller = self.slot(CALLER)
+        frontier = [n for n in self.graph.nodes if n.op == "call_function" and n.target is self.ops.control_deps
+                    and self._wait_stream(n) == caller]
+        seen: set[fx.Node] = set(frontier)
+        while frontier:
+            for a in frontier.pop().all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    frontier.append(a)
+        return seen
+
+    def _wait_stream(self, node: fx.Node) -> int | None:
+        """Return the stream slot a control_deps node waits on, or None if it wraps no wait_event."""
+        sub = getattr(self.gm, node.args[1].target, None) if isinstance(node.args[1], fx.Node) else None
+        ops = [m for m in sub.graph.nodes if m.op == "call_function"] if sub is not None else []
+        return ops[0].args[1] if len(ops) == 1 and ops[0].target is self.ops.wait_event else None
 
     @staticmethod
     def _written_by(v: fx.Node, a: fx.Node) -> bool:
@@ -405,6 +433,32 @@ def _storage(x: fx.Node) -> fx.Node:
     return x
 
 
+def reorder(graph: fx.Graph, order: Sequence[str]) -> None:
+    """Put the graph's ops in the schedule's issue order, each ``getitem`` right after the op it unpacks.
+
+    Inductor issues kernels in about the fx order (its scheduler keeps
+    dependencies, and may still move nodes, e.g. for peak memory), so this is
+    how the host issues a long branch's first kernel before a short one's.
+    ``order`` is a topological order of the DAG, whose edges hold every data
+    and ordering dependency, so the graph stays valid.
+    """
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    by_name = {n.name: n for n in calls}
+    unpacks: dict[fx.Node, list[fx.Node]] = {}
+    for n in calls:
+        if is_unpack(n):
+            unpacks.setdefault(root(n), []).append(n)
+    placed = [m for name in order for m in (by_name[name], *unpacks.get(by_name[name], ()))]
+    if len(placed) != len(calls) or set(placed) != set(calls):
+        raise ValueError("the schedule's order does not cover the graph's ops")
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:  # constants first: any op may now come first
+        calls[0].prepend(n)
+    cursor = calls[0].prev
+    for n in placed:
+        cursor.append(n)
+        cursor = n
+
+
 class GraphChanged(RuntimeError):
     """The stamping failed after it had changed the graph: inductor must not lower that graph."""
 
@@ -440,7 +494,7 @@ def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = Fal
     syncs = options.syncs
     if not has_streams and not options.stamp_cpu and not syncs:
         return StampResult(calls, 1, reason=f"{device.type} has no streams")
-    stream, result = plan_streams(gm.graph, options)
+    stream, order, result = plan_streams(gm.graph, options)
     if not stream:
         return result
     if syncs is None:
@@ -449,6 +503,8 @@ def stamp_graph(gm: fx.GraphModule, options: StreamOptions, backward: bool = Fal
     hazards = [(u, v) for u, v, kind in dag.edges(data="kind") if kind == "hazard"]
     rewriter = _Rewriter(gm, stream, device.index or 0, backward, syncs)
     rewriter.check(hazards)
+    if options.keep_order:
+        reorder(gm.graph, order)  # checks before it moves a node; moving cannot fail half-way
     try:
         rewriter.rewrite(hazards)
     except Exception as exc:
@@ -606,7 +662,8 @@ def compile_stamped(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     """
     options = dataclasses.replace(options, stamp_cpu=options.stamp_cpu or STAMP_CPU)
     stamp_pass = make_stamp_pass(options, is_backward)
-    with compat.post_grad_custom_post_pass(stamp_pass):
+    with compat.post_grad_custom_post_pass(stamp_pass), \
+            compat.inductor_peak_memory_reordering(False) if options.keep_order else contextlib.nullcontext():
         compiled = compat.inductor_compile_graph(gm, list(example_inputs), *args, **dict(kwargs or {}))
     result = stamp_pass.results[-1] if stamp_pass.results else None
     device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))

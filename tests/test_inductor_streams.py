@@ -46,6 +46,11 @@ def fork_join_graph() -> tuple[fx.GraphModule, list[torch.Tensor]]:
     return make_fx(fork_join, tracing_mode="fake")(*args), args
 
 
+def fork_and_output(x, w1, w2, w3):
+    """Like fork_join, and a branch whose value only leaves the graph: only the join orders it."""
+    return (torch.relu(x @ w1) + torch.sigmoid(x @ w2), torch.tanh(x @ w3))
+
+
 def options(**kw) -> istreams.StreamOptions:
     return istreams.StreamOptions(**{"streams": 3, "roofline": CPU, "stamp_cpu": True, **kw})
 
@@ -213,6 +218,21 @@ def test_every_cross_stream_edge_of_a_training_graph_waits_on_an_event():
         gm.graph.lint()
 
 
+def test_a_branch_that_only_leaves_the_graph_is_joined_and_a_joined_one_is_not():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fork_and_output, tracing_mode="fake")(*[torch.randn(256, 256) for _ in range(4)])
+    edges = list(build_aten_dag(gm.graph, CPU).edges)
+    result = istreams.stamp_graph(gm, options(syncs=True))
+    s = result.stream_of
+    assert len({s["mm"], s["mm_1"], s["mm_2"]}) == 3 and s["tanh"] != 0
+    check_synced(gm, edges, s)
+    caller = istreams.stream_slot(0, False, 0)
+    syncs = [op for n in gm.graph.nodes if (op := _sync_op(gm, n)) is not None]
+    # waits on the caller's stream: one for the branch stream 0 reads, one join for the output branch
+    assert sum(kind == "wait" and st == caller for kind, _, st in syncs) == 2
+
+
 def test_values_read_on_another_stream_are_recorded_for_the_allocator():
     gm, _ = fork_join_graph()
     result = istreams.stamp_graph(gm, options(syncs=True))
@@ -246,12 +266,14 @@ def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    gm, args = fork_join_graph()
-    stamp = istreams.make_stamp_pass(options(syncs=True))
-    with config.patch(fx_graph_cache=False), compat.post_grad_custom_post_pass(stamp):
-        compiled = compile_fx_inner(gm, args)
-    assert stamp.results and stamp.results[0].num_waits > 0
-    lines = _call_body(compiled.source_code)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = [torch.randn(256, 256) for _ in range(4)]
+    gm = make_fx(fork_and_output, tracing_mode="fake")(*args)
+    with config.patch(fx_graph_cache=False):
+        done = istreams.compile_stamped(gm, args, options(syncs=True), is_backward=False)
+    assert done.result.num_waits > 0
+    lines = _call_body(done.compiled.source_code)
     context, mm_context, record_at, wait_at = None, {}, {}, {}
     for i, line in enumerate(lines):
         m = re.match(r"\s*with (default_stream|stream\d+):", line)
@@ -266,12 +288,16 @@ def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
     assert wait_at and set(wait_at) == set(record_at)
     for event, waits in wait_at.items():
         assert max(record_at[event]) < min(waits), f"event {event} waited on before it is recorded"
-    # the join: the caller's stream waits on every side stream after the last kernel
-    last_kernel = max(i for i, line in enumerate(lines) if "cpp_fused" in line or "extern_kernels" in line)
+    # the join: the caller's stream waits, after the output branch's last kernel, on its stream
+    tanh_branch = max(i for i in mm_context if mm_context[i] not in ("default_stream", None)
+                      and i == max(k for k in mm_context if mm_context[k] == mm_context[i]))
     caller = str(istreams.stream_slot(0, False, 0))
     joins = [i for i, line in enumerate(lines) if "wait_event" in line and line.rstrip().endswith(f", {caller})")]
-    assert len([i for i in joins if i > last_kernel]) == 2
-    assert "stream1 = " not in compiled.source_code  # CPU codegen never defines the names it enters
+    assert joins and max(joins) > tanh_branch
+    assert "stream1 = " not in done.compiled.source_code  # CPU codegen never defines the names it enters
+    # the schedule's issue order: all three branches start before the kernel that adds two of them
+    two_input_kernels = [i for i, line in enumerate(lines) if "cpp_fused" in line and line.count(",") >= 1]
+    assert len(two_input_kernels) == 1 and max(mm_context) < two_input_kernels[0]
 
 
 def test_stamped_graph_hits_inductor_fx_graph_cache_and_keys_on_the_options(monkeypatch):
