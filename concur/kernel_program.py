@@ -37,6 +37,10 @@ from .annotate import RNG
 
 WORLD = "<world>"  # read by every launch, written by barriers
 
+# torch versions whose real wrappers are checked in (tests/fixtures/wrappers) and checked against inductor's
+# own scheduler by tests/test_golden_wrappers.py: 2.11 on an H100 (triton), 2.13 and 2.14.1 on CPU (C++)
+TESTED_TORCH_VERSIONS = ("2.11.0",)
+
 _ALLOCATORS = {"empty_strided_cuda", "empty_strided_cpu", "empty_strided_xpu", "empty_strided",
                "empty_strided_p2p"}
 _VIEWS = {"reinterpret_tensor", "as_strided", "alias"}
@@ -131,11 +135,27 @@ def _is_scalar_param(arg: ast.arg, types: Mapping[str, str]) -> bool:
     return kind is not None and not kind.startswith("*")
 
 
-def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
-    return {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+@dataclass
+class _KernelBody:
+    """A triton kernel's body, walked once: each node's parent and the loaded names, grouped by name."""
+
+    parents: dict[ast.AST, ast.AST]
+    loads: dict[str, list[ast.Name]]
+
+    @classmethod
+    def of(cls, fn: ast.FunctionDef) -> "_KernelBody":
+        parents: dict[ast.AST, ast.AST] = {}
+        loads: dict[str, list[ast.Name]] = {}
+        for statement in fn.body:  # not the decorators: their triton_meta is most of the source
+            for parent in ast.walk(statement):
+                for child in ast.iter_child_nodes(parent):
+                    parents[child] = parent
+                if isinstance(parent, ast.Name) and isinstance(parent.ctx, ast.Load):
+                    loads.setdefault(parent.id, []).append(parent)
+        return cls(parents, loads)
 
 
-def _only_loaded(fn: ast.FunctionDef, param: str, parents: Mapping[ast.AST, ast.AST]) -> bool:
+def _only_loaded(body: _KernelBody, param: str) -> bool:
     """Whether every use of pointer ``param`` in the kernel body is the address of a ``tl.load``.
 
     The pointer may be offset (``in_ptr0 + x0``, ``A[:, None]``) and bound to
@@ -145,15 +165,10 @@ def _only_loaded(fn: ast.FunctionDef, param: str, parents: Mapping[ast.AST, ast.
     comparison) is taken as a possible write: a write is assumed unless this
     function proves there is none.
     """
-    derived = {param}
-    names = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    checked: set[int] = set()
-    while True:
-        pending = [n for n in names if n.id in derived and id(n) not in checked]
-        if not pending:
-            return True
-        for name in pending:
-            checked.add(id(name))
+    parents = body.parents
+    derived, pending = {param}, [param]
+    while pending:
+        for name in body.loads.get(pending.pop(), ()):
             child, parent = name, parents.get(name)
             while isinstance(parent, ast.BinOp) or (isinstance(parent, ast.Subscript) and parent.value is child):
                 child, parent = parent, parents.get(parent)
@@ -161,16 +176,21 @@ def _only_loaded(fn: ast.FunctionDef, param: str, parents: Mapping[ast.AST, ast.
                     (parent.args and parent.args[0] is child)
                     or any(k.arg == "pointer" and k.value is child for k in parent.keywords)):
                 continue
+            target = None
             if isinstance(parent, ast.Assign) and parent.value is child and len(parent.targets) == 1 \
                     and isinstance(parent.targets[0], ast.Name):
-                derived.add(parent.targets[0].id)  # a local holding the pointer plus an offset
-                continue
-            if isinstance(parent, ast.AugAssign) and parent.value is child and isinstance(parent.target, ast.Name):
-                derived.add(parent.target.id)
+                target = parent.targets[0].id  # a local holding the pointer plus an offset
+            elif isinstance(parent, ast.AugAssign) and parent.value is child and isinstance(parent.target, ast.Name):
+                target = parent.target.id
+            if target is not None:
+                if target not in derived:
+                    derived.add(target)
+                    pending.append(target)
                 continue
             if isinstance(parent, ast.Attribute) and parent.attr == "dtype" and parent.value is child:
                 continue  # ``in_ptr0.dtype.element_ty``: metadata, no memory access
             return False
+    return True
 
 
 def _triton_signature(source: str) -> KernelSignature | None:
@@ -187,7 +207,8 @@ def _triton_signature(source: str) -> KernelSignature | None:
     except SyntaxError:
         return None
     functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    fn = next((n for n in functions if any("jit" in ast.unparse(d) for d in n.decorator_list)),
+    fn = next((n for n in functions if any("jit" in (_dotted(d.func if isinstance(d, ast.Call) else d) or "")
+                                           for d in n.decorator_list)),
               functions[0] if functions else None)
     if fn is None:
         return None
@@ -199,10 +220,9 @@ def _triton_signature(source: str) -> KernelSignature | None:
     if match:
         mutated = {m.strip().strip("'\"") for m in match.group(1).split(",") if m.strip()}
     types = _triton_pointer_types(fn)
-    parents = _parents(fn)
+    body = _KernelBody.of(fn)
     written = {p for p in params if p.startswith(("out_ptr", "in_out_ptr"))} | (mutated & set(params))
-    written |= {a.arg for a in fn.args.args
-                if not _is_scalar_param(a, types) and not _only_loaded(fn, a.arg, parents)}
+    written |= {a.arg for a in fn.args.args if not _is_scalar_param(a, types) and not _only_loaded(body, a.arg)}
     return KernelSignature(params, frozenset(written))
 
 
@@ -229,9 +249,9 @@ def _cpp_param_written(ctype: str) -> bool:
     return base not in _CPP_SCALARS
 
 
-def kernel_signatures(module_source: str) -> dict[str, KernelSignature]:
-    """Return the signature of every kernel the wrapper module compiles (triton and C++)."""
-    tree = ast.parse(module_source)
+def kernel_signatures(module_source: str | ast.Module) -> dict[str, KernelSignature]:
+    """Return the signature of every kernel the wrapper module (source, or its parsed tree) compiles."""
+    tree = ast.parse(module_source) if isinstance(module_source, str) else module_source
     found: dict[str, KernelSignature] = {}
     for node in tree.body:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
@@ -284,9 +304,9 @@ def _resolve(dotted: str, namespace: Mapping[str, Any]) -> Any:
     return value
 
 
-def find_call_function(module_source: str) -> ast.FunctionDef:
+def find_call_function(module_source: str | ast.Module) -> ast.FunctionDef:
     """Return the ``call`` function of a wrapper module (top level, or a method of its ``Runner``)."""
-    tree = ast.parse(module_source)
+    tree = ast.parse(module_source) if isinstance(module_source, str) else module_source
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "call":
             return node
@@ -381,9 +401,10 @@ def parse_wrapper(module_source: str, namespace: Mapping[str, Any]) -> KernelPro
     Raises:
         UnsupportedWrapper: the call function's shape is not one this parser knows.
     """
-    fn = find_call_function(module_source)
+    tree = ast.parse(module_source)  # once: the kernels' source makes most of a wrapper
+    fn = find_call_function(tree)
     lines = module_source.splitlines()
-    signatures = kernel_signatures(module_source)
+    signatures = kernel_signatures(tree)
     body, start, end = _schedulable_body(fn)
     inputs = _inputs(fn)
     groups = _Groups(inputs)
