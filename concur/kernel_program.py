@@ -508,8 +508,8 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
     reads: set[str] = set()
     writes: set[str] = set()
     output_alias: str | None = None
-    if func is None:
-        return _barrier(index, node, groups)
+    if func is None or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return _barrier(index, node, groups)  # unpacked arguments: which parameter gets what is unknown
     kernel_name = func[:-len(".run")] if func.endswith(".run") else func
     signature = signatures.get(kernel_name)
     op = _resolve(func, namespace)
@@ -549,6 +549,8 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
         if torch.Tag.nondeterministic_seeded in op.tags:
             reads.add(RNG)
             writes.add(RNG)
+        if len(schema.returns) > 1 and any(r.alias_info is not None for r in schema.returns):
+            return _barrier(index, node, groups)  # several returns aliasing arguments: not one group to bind
         ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
         if ret is not None:
             source = next((bound[a.name] for a in schema.arguments if a.alias_info is not None

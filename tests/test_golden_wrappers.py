@@ -71,6 +71,10 @@ class Golden:
 
 @functools.lru_cache(maxsize=None)
 def load(path: Path) -> Golden:
+    return read_golden(path)
+
+
+def read_golden(path: Path) -> Golden:
     source = gzip.open(path / "wrapper.py.gz", "rt").read()
     records = json.load(gzip.open(path / "oracle.json.gz", "rt"))
     program = parse_wrapper_source(source)
@@ -171,6 +175,29 @@ def test_every_scheduled_node_maps_to_one_launch_and_back(path):
 @pytest.mark.parametrize("path", GRAPHS, ids=graph_id)
 def test_no_write_or_read_of_the_scheduler_is_missing(path):
     golden = load(path)
+    missing, checked = missing_accesses(golden)
+    assert not missing, missing[:5]
+    assert checked >= len(golden.program.launches)  # the check saw at least one buffer per launch
+
+
+def test_the_oracle_check_catches_a_parser_that_drops_a_write(monkeypatch):
+    """A parser that forgot ``in_out_ptr`` writes (fused in-place kernels) must fail the golden check."""
+    import concur.kernel_program as kp
+
+    real = kp._triton_signature
+
+    def forgetful(source):
+        sig = real(source)
+        return sig and kp.KernelSignature(sig.params, frozenset(p for p in sig.written if "in_out" not in p))
+
+    monkeypatch.setattr(kp, "_triton_signature", forgetful)
+    path = FIXTURES / "torch2.11.0-cuda" / "resnet50_fp32_fwd"
+    missing, _ = missing_accesses(read_golden(path))
+    assert any(" writes " in m for m in missing), "the dropped in_out_ptr writes went unnoticed"
+
+
+def missing_accesses(golden: Golden) -> tuple[list[str], int]:
+    """Return (what the scheduler says a node accesses but its launch does not, how many accesses were checked)."""
     missing, checked = [], 0
     for node in golden.nodes:
         i = golden.launch_of.get(node["name"])
@@ -192,8 +219,7 @@ def test_no_write_or_read_of_the_scheduler_is_missing(path):
             checked += 1
             if group is None or group not in launch.reads | launch.writes:
                 missing.append(f"{node['name']} reads {buffer} as {real} ({group}): {ast.unparse(launch.node)[:80]}")
-    assert not missing, missing[:5]
-    assert checked >= len(golden.program.launches)  # the check saw at least one buffer per launch
+    return missing, checked
 
 
 # a kernel launch as it appears in a wrapper line, counted from the text alone

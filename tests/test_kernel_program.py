@@ -175,3 +175,24 @@ def test_source_namespace_resolves_torch_attributes_without_running_anything():
 def test_kernel_signatures_skip_cpp_kernels_with_unreadable_types():
     src = "k = async_compile.cpp_pybinding([T, 'float*'], '')\n"
     assert "k" not in kernel_signatures(src)
+
+
+ALIASING = """
+import torch
+aten = torch.ops.aten
+def call(args):
+    arg0_1, arg1_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((4, ), (1, ), torch.float32)
+    buf1 = empty_strided_cpu((4, ), (1, ), torch.int64)
+    buf2 = torch.ops.aten.max.dim_max(arg0_1, 0, max=buf0, max_values=buf1)
+    buf3 = torch.ops.aten.add.Tensor(*args)
+    return (buf2, buf3, )
+"""
+
+
+def test_several_aliasing_returns_and_unpacked_arguments_are_barriers():
+    program = parse_wrapper_source(ALIASING)
+    # max.dim_max returns (Tensor(a!), Tensor(b!)): binding buf2 to one fresh storage would hide both aliases
+    assert by_code(program, "buf2 = torch.ops.aten.max.dim_max").kind == "barrier"
+    assert by_code(program, "buf3 = torch.ops.aten.add.Tensor(*args)").kind == "barrier"
