@@ -250,7 +250,7 @@ def test_rewritten_call_runs_the_launches_in_a_valid_order(program):
 # ---------------------------------------------------------------- through inductor (CPU)
 
 
-def test_kernels_strategy_trains_like_eager_through_inductor():
+def test_placed_kernels_train_like_eager_through_inductor():
     from tests.test_backend import NO_MERGE, compare_compiled, forward_and_backward, small_wide
 
     import concur
@@ -262,9 +262,8 @@ def test_kernels_strategy_trains_like_eager_through_inductor():
         fw, bw = forward_and_backward(backend.graphs)
     finally:
         torch._dynamo.reset()
-    assert fw.strategy == bw.strategy == "kernels"
     assert fw.fallback_reason is None and bw.fallback_reason is None
-    assert max(fw.num_streams, bw.num_streams) > 1, (fw, bw)
+    assert fw.num_streams > 1 and bw.num_streams > 1, (fw, bw)
     assert fw.num_barriers == 0 and bw.num_barriers == 0, (fw, bw)
 
 
@@ -312,7 +311,7 @@ def test_buffer_reuse_reaches_inductor_and_either_way_trains_like_eager(reuse, m
         torch._dynamo.reset()
     assert seen == [reuse, reuse]  # the forward and the backward graph
     assert inductor_config.allow_buffer_reuse  # restored after each compile
-    assert all(g.fallback_reason is None and g.strategy == "kernels" for g in backend.graphs)
+    assert all(g.fallback_reason is None for g in backend.graphs)
 
 
 # ---------------------------------------------------------------- failing closed
