@@ -569,7 +569,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     forward and backward, still captured whole; ``streams=1`` is then exactly
     ``torch.compile`` plus a whole-step CUDA graph. ``compile_options`` are
     more keyword arguments of :func:`concur.backend` (e.g.
-    ``event_delay_launches``).
+    ``buffer_reuse``).
 
     ``streams="auto"`` on CUDA measures stream counts and schedulers with the
     tuner (:mod:`concur.tuner`, cached on disk, at most ~20 s) for the

@@ -18,11 +18,8 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
                         torch.compiler.cudagraph_mark_step_begin() before each step
     fused:K             concur's torch.compile backend on K streams + whole-step graph
-                        (strategy "kernels": inductor's kernels placed on streams after fusion;
-                        rows before 2026-11-23 17:00 UTC used "segments", see compiled_graphs)
-    fused_segments:K    the same with strategy "segments" (each graph cut per stream, pieces compiled)
-    fused_delayed:K     segments with event_delay_launches=5 (experimental: fewer segments,
-                        so fewer inductor compilations, for slightly later events)
+                        (inductor's kernels placed on streams after fusion; rows before
+                        2026-11-23 17:00 UTC cut each graph into segments, see compiled_graphs)
     fused_fresh:K       fused with buffer_reuse=False: inductor gives every buffer its own memory,
                         so no reuse chains independent branches (measured on the H100 2026-11-23:
                         never slower than fused; not yet concur's default)
@@ -72,13 +69,11 @@ from typing import Any, Callable, Iterator
 REPO = Path(__file__).resolve().parent.parent
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
-FUSED_MODES = ("fused", "fused_segments", "fused_delayed", "fused_fresh")
+FUSED_MODES = ("fused", "fused_fresh")
 CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", *FUSED_MODES, "critical_path")
 CONCUR_MODES = ("eager_streams", "concur_graph", *FUSED_MODES)  # the rest: what a user has
 COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES)  # a child each
-FUSED_OPTIONS = {"fused": None, "fused_segments": {"strategy": "segments"},
-                 "fused_delayed": {"strategy": "segments", "event_delay_launches": 5.0},
-                 "fused_fresh": {"buffer_reuse": False}}
+FUSED_OPTIONS = {"fused": None, "fused_fresh": {"buffer_reuse": False}}
 PRECISIONS = ("fp32", "bf16", "fp32-cl")  # bf16 = autocast + channels-last; fp32-cl = fp32, channels-last
 CHANNELS_LAST_PRECISIONS = ("bf16", "fp32-cl")
 DEFAULT_BATCHES = [8, 32, 64, 128]
@@ -533,7 +528,8 @@ class GpuTurn:
 
 def compiled_graphs(step: Any) -> list[dict]:
     """What the concur backend made of each forward and backward graph of a ``train_step(compile=True)``."""
-    return [dict(backward=g.is_backward, strategy=g.strategy, segments=g.num_segments, streams=g.num_streams,
+    # "strategy" and "segments" keep the keys of rows made when graphs could be cut into segments
+    return [dict(backward=g.is_backward, strategy="kernels", segments=g.num_launches, streams=g.num_streams,
                  waits=g.num_waits, barriers=g.num_barriers, fallback=g.fallback_reason,
                  ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4))
             for backend in step.backends.values() for g in backend.graphs]
