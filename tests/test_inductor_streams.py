@@ -257,6 +257,38 @@ def _call_body(source: str) -> list[str]:
     return source[start:end].splitlines()
 
 
+STREAM_NAMES = {"default_stream": 0, "stream1": 1, "stream2": 2}
+
+
+def check_wrapper(source: str, kernel: str) -> dict[int, int]:
+    """Check the stream contexts and events of a generated ``call``; return {line of a ``kernel``: stream}.
+
+    Each event is recorded before any wait on it, and every side stream's last
+    kernel is followed by a record there that the caller's stream waits on.
+    """
+    lines = _call_body(source)
+    context, kernels, records, waits = None, {}, [], []
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*with (default_stream|stream\d+):", line)
+        if m:
+            context = STREAM_NAMES[m.group(1)]
+        if kernel in line:
+            kernels[i] = context
+        m = re.search(r"streams\.(record_event|wait_event)\.default\((\d+), (\d+)\)", line)
+        if m:
+            (records if m.group(1) == "record_event" else waits).append((i, int(m.group(2)), int(m.group(3))))
+    assert waits and {e for _, e, _ in waits} == {e for _, e, _ in records}
+    for i, event, _ in waits:
+        assert any(j < i for j, e, _ in records if e == event), f"event {event} waited on before it is recorded"
+    caller = istreams.stream_slot(0, False, 0)
+    for side in set(kernels.values()) - {0}:
+        last = max(i for i, s in kernels.items() if s == side)
+        assert any(j > last and st == istreams.stream_slot(0, False, side)
+                   and any(w > j and e2 == e and st2 == caller for w, e2, st2 in waits)
+                   for j, e, st in records), f"stream {side} is not joined after its last kernel"
+    return kernels
+
+
 def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
     """Inductor's CPU wrapper enters `with streamN:` per stamped node and keeps each record before its wait.
 
@@ -264,8 +296,6 @@ def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
     GPUs), and CPU cannot run the event ops: the code is read, not run.
     """
     from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx_inner
-
     from torch.fx.experimental.proxy_tensor import make_fx
 
     args = [torch.randn(256, 256) for _ in range(4)]
@@ -273,31 +303,78 @@ def test_inductor_cpu_wrapper_keeps_stream_contexts_and_event_order():
     with config.patch(fx_graph_cache=False):
         done = istreams.compile_stamped(gm, args, options(syncs=True), is_backward=False)
     assert done.result.num_waits > 0
-    lines = _call_body(done.compiled.source_code)
-    context, mm_context, record_at, wait_at = None, {}, {}, {}
-    for i, line in enumerate(lines):
-        m = re.match(r"\s*with (default_stream|stream\d+):", line)
-        if m:
-            context = m.group(1)
-        if "extern_kernels.mm(" in line:
-            mm_context[i] = context
-        m = re.search(r"streams\.(record_event|wait_event)\.default\((\d+), (\d+)\)", line)
-        if m:
-            (record_at if m.group(1) == "record_event" else wait_at).setdefault(int(m.group(2)), []).append(i)
-    assert sorted(mm_context.values()) == ["default_stream", "stream1", "stream2"]  # one matmul per stream
-    assert wait_at and set(wait_at) == set(record_at)
-    for event, waits in wait_at.items():
-        assert max(record_at[event]) < min(waits), f"event {event} waited on before it is recorded"
-    # the join: the caller's stream waits, after the output branch's last kernel, on its stream
-    tanh_branch = max(i for i in mm_context if mm_context[i] not in ("default_stream", None)
-                      and i == max(k for k in mm_context if mm_context[k] == mm_context[i]))
-    caller = str(istreams.stream_slot(0, False, 0))
-    joins = [i for i, line in enumerate(lines) if "wait_event" in line and line.rstrip().endswith(f", {caller})")]
-    assert joins and max(joins) > tanh_branch
+    mm_stream = check_wrapper(done.compiled.source_code, "extern_kernels.mm(")
+    assert sorted(mm_stream.values()) == [0, 1, 2]  # one matmul per stream
     assert "stream1 = " not in done.compiled.source_code  # CPU codegen never defines the names it enters
     # the schedule's issue order: all three branches start before the kernel that adds two of them
+    lines = _call_body(done.compiled.source_code)
     two_input_kernels = [i for i, line in enumerate(lines) if "cpp_fused" in line and line.count(",") >= 1]
-    assert len(two_input_kernels) == 1 and max(mm_context) < two_input_kernels[0]
+    assert len(two_input_kernels) == 1 and max(mm_stream) < two_input_kernels[0]
+
+
+CUDA_CODEGEN = """
+import sys, types
+import torch
+# No GPU here: inductor asks the device for its properties and for Triton. These answers let it
+# *generate* the CUDA wrapper of a graph of extern kernels; nothing is compiled or run on a device.
+props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+                              total_memory=80 * 2**30, warp_size=32, max_threads_per_multi_processor=2048,
+                              regs_per_multiprocessor=65536, max_threads_per_block=1024,
+                              shared_memory_per_block_optin=232448, L2_cache_size=50 * 2**20,
+                              clock_rate=1980000, gcnArchName="")
+torch.cuda.get_device_properties = lambda *a, **k: props
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.current_device = lambda: 0
+torch.cuda.device_count = lambda: 1
+torch.cuda._lazy_init = lambda: None
+torch.cuda.get_rng_state = lambda *a, **k: torch.zeros(16, dtype=torch.uint8)
+torch.cuda.set_rng_state = lambda *a, **k: None
+import torch._inductor.scheduler
+torch._inductor.scheduler.has_triton = lambda: True
+from torch._guards import TracingContext, tracing
+from torch._inductor import config
+from torch._inductor.compile_fx import compile_fx_inner
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from concur import inductor_streams as istreams
+from concur.cost import ROOFLINES
+
+def mms(x, w1, w2, w3):
+    return (x @ w1, x @ w2, x @ w3)
+
+mode = FakeTensorMode()
+with mode:
+    args = [torch.empty(1024, 1024, device="cuda") for _ in range(4)]
+gm = make_fx(mms)(*args)
+stamp = istreams.make_stamp_pass(istreams.StreamOptions(streams=3, roofline=ROOFLINES["cpu"]))
+with config.patch(fx_graph_cache=False), istreams.compat.post_grad_custom_post_pass(stamp), \
+        tracing(TracingContext(mode)), mode:
+    compiled = compile_fx_inner(gm, args)
+assert stamp.results[0].num_waits > 0, stamp.results
+sys.stdout.write(compiled.source_code)
+"""
+
+
+def test_inductor_cuda_wrapper_generated_without_a_gpu_fetches_streams_and_orders_events(tmp_path):
+    """The CUDA wrapper inductor generates (not runs) for a stamped graph: streams from the table, events in order.
+
+    In a subprocess, since it fakes the CUDA device's properties and Triton
+    for inductor. The graph has only extern matmuls (no Triton kernel to
+    compile) and the events the pass inserts by itself (``syncs=None``: CUDA).
+    """
+    import subprocess
+    import sys
+
+    script = tmp_path / "cuda_codegen.py"
+    script.write_text(CUDA_CODEGEN)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    source = run.stdout
+    for s in (1, 2):  # the side streams come from dynamo's table, at concur's slots
+        assert f"stream{s} = _get_stream_by_index({istreams.stream_slot(0, False, s)})" in source
+    assert "default_stream = torch.cuda.current_stream()" in source
+    mm_stream = check_wrapper(source, "extern_kernels.mm(")
+    assert sorted(mm_stream.values()) == [0, 1, 2]
 
 
 def test_stamped_graph_hits_inductor_fx_graph_cache_and_keys_on_the_options(monkeypatch):
