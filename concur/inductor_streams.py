@@ -464,9 +464,15 @@ class GraphChanged(RuntimeError):
 
 
 def graph_device(gm: fx.GraphModule) -> torch.device | None:
-    """Return the one device the graph's tensors live on, or None if several (or none)."""
-    devices = {v.device for n in gm.graph.nodes for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
-    devices.discard(torch.device("meta"))
+    """Return the one device the graph's tensors live on, or None if several (or none).
+
+    CPU scalars beside another device's tensors (constants, step counters) do
+    not count: they are arguments, not work.
+    """
+    values = [v for n in gm.graph.nodes for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)]
+    devices = {v.device for v in values} - {torch.device("meta")}
+    if len(devices) > 1:
+        devices = {v.device for v in values if not (v.device.type == "cpu" and v.dim() == 0)} - {torch.device("meta")}
     return next(iter(devices)) if len(devices) == 1 else None
 
 
@@ -532,9 +538,14 @@ def make_stamp_pass(options: StreamOptions, backward: bool = False) -> Any:
         def __init__(self) -> None:
             self.options, self.backward = options, backward
             self.results: list[StampResult] = []
+            # inductor runs post-grad passes on a graph's subgraphs (HOP bodies) too; with a module
+            # set here, only that module's own graph is stamped
+            self.only: fx.GraphModule | None = None
 
         def __call__(self, graph: fx.Graph) -> None:
             gm = graph.owning_module
+            if self.only is not None and gm is not self.only:
+                return
             if gm is None:
                 self.results.append(StampResult(0, 1, reason="the graph has no owning module"))
                 return
@@ -662,6 +673,7 @@ def compile_stamped(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     """
     options = dataclasses.replace(options, stamp_cpu=options.stamp_cpu or STAMP_CPU)
     stamp_pass = make_stamp_pass(options, is_backward)
+    stamp_pass.only = gm
     with compat.post_grad_custom_post_pass(stamp_pass), \
             compat.inductor_peak_memory_reordering(False) if options.keep_order else contextlib.nullcontext():
         compiled = compat.inductor_compile_graph(gm, list(example_inputs), *args, **dict(kwargs or {}))
