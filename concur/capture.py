@@ -60,7 +60,16 @@ def timm_notrace() -> tuple[tuple[type, ...], tuple[Callable, ...]]:
         if modules is not None and functions is not None:
             return (tuple(m for m in modules if isinstance(m, type)),
                     tuple(f for f in functions if callable(f)))  # timm also takes names: fx needs objects
+    if "timm" in sys.modules and not _warned_timm:
+        _warned_timm.append(True)
+        warnings.warn("concur found no fx registry in this timm version (timm.layers._fx and older places): "
+                      "modules and functions timm marks as not-to-be-traced are traced like the rest; if "
+                      "tracing fails, pass them as leaf_modules=[...] or use fallback='eager'",
+                      UserWarning, stacklevel=_user_stacklevel())
     return (), ()
+
+
+_warned_timm: list[bool] = []  # the registry warning is given once per process
 
 
 class _ConcurTracer(fx.Tracer):
@@ -140,8 +149,8 @@ def trace(model: torch.nn.Module, leaf_modules: LeafSpec = ()) -> fx.GraphModule
         except CaptureError as exc:
             if not exc.module_path or exc.module_path in auto:  # the root failed: nothing left to cut
                 if auto:
-                    exc.args = (f"{exc.args[0]}\n(leaf_modules='auto' already made leaves of: "
-                                f"{', '.join(auto)})",)
+                    made = f"(leaf_modules='auto' already made leaves of: {', '.join(auto)})"
+                    exc.args = (exc.args[0].replace(TRACEBACK_HINT, f"{made}\n{TRACEBACK_HINT}"),)
                 raise
             auto.append(exc.module_path)
     # A leaf inside a later, outer leaf is never called by the graph: report only the outer one.
@@ -194,8 +203,8 @@ def _capture_error(model: torch.nn.Module, failed: tuple[str, torch.nn.Module] |
         name = type(model).__name__
         inside = f" in {frame.name}()" if frame and frame.name != "forward" else ""
         msg = (f"concur could not trace {name}'s own code{inside}{at}: {what}\n"
-               f"The control flow is in the root module itself, not in a submodule, so no leaf module "
-               f"can keep it out of the trace" + (" (leaf_modules='auto' tried)" if auto_tried else "")
+               f"This code is the root module's own, not a submodule's, so no leaf module can keep "
+               f"it out of the trace" + (" (leaf_modules='auto' tried)" if auto_tried else "")
                + f".\nFix: pass fallback='eager' to run the model unchanged, or keep "
                + _wrap_advice(model, frame))
     error = CaptureError(f"{msg}\n{TRACEBACK_HINT}", path, type(module).__name__, location)

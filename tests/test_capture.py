@@ -82,7 +82,7 @@ def test_control_flow_in_the_roots_forward_offers_what_can_work():
     err, message = info.value, str(info.value)
     assert err.module_path == ""
     assert "RootControlFlow's own code" in message and "if h.sum() > 0:" in message
-    assert "no leaf module can keep it out of the trace" in message
+    assert "root module's own, not a submodule's, so no leaf module can keep it out" in message
     assert "fallback='eager'" in message and "torch.fx.wrap" in message
     assert "leaf_modules=[" not in message and "leaf_modules='auto'" not in message
     assert err.__cause__ is None and isinstance(err.original, torch.fx.proxy.TraceError)
@@ -136,3 +136,19 @@ def test_timm_crossvit_traces_with_scale_image_kept_whole():
     with torch.no_grad():
         torch.testing.assert_close(cm(x), model(x), rtol=1e-5, atol=1e-6)
     assert any(getattr(n.target, "__name__", "") == "scale_image" for n in cm.plan.traced.graph.nodes)
+
+
+def test_a_timm_without_a_known_registry_is_traced_plainly_with_one_warning(monkeypatch):
+    import warnings
+
+    from concur import capture
+
+    monkeypatch.setitem(sys.modules, "timm", types.ModuleType("timm"))
+    for name in capture._TIMM_FX_REGISTRIES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(capture, "_warned_timm", [])
+    with pytest.warns(UserWarning, match="no fx registry in this timm version"):
+        concur.optimize(Untraceable(), (torch.randn(2, 4),), leaf_modules=[DataDependentBlock])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        concur.optimize(Untraceable(), (torch.randn(2, 4),), leaf_modules=[DataDependentBlock])
