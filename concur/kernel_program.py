@@ -193,7 +193,7 @@ def _only_loaded(body: _KernelBody, param: str) -> bool:
     return True
 
 
-def _triton_signature(source: str) -> KernelSignature | None:
+def _triton_signature(source: str, name: str | None = None) -> KernelSignature | None:
     """Parse a triton kernel's source; what it may write is established from its body.
 
     A pointer parameter counts as read-only only when :func:`_only_loaded`
@@ -207,11 +207,13 @@ def _triton_signature(source: str) -> KernelSignature | None:
     except SyntaxError:
         return None
     functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    fn = next((n for n in functions if any("jit" in (_dotted(d.func if isinstance(d, ast.Call) else d) or "")
-                                           for d in n.decorator_list)),
-              functions[0] if functions else None)
-    if fn is None:
-        return None
+    named = [n for n in functions if n.name == name]
+    jitted = [n for n in functions if any("jit" in (_dotted(d.func if isinstance(d, ast.Call) else d) or "")
+                                          for d in n.decorator_list)]
+    candidates = named or jitted or functions
+    if len(candidates) != 1:
+        return None  # which function is the kernel (and not a helper) is not clear: its launches stay barriers
+    fn = candidates[0]
     params = tuple(a.arg for a in fn.args.args)
     if fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.args.posonlyargs:
         return None
@@ -260,7 +262,8 @@ def kernel_signatures(module_source: str | ast.Module) -> dict[str, KernelSignat
         name, call = node.targets[0].id, node.value
         how = call.func.attr
         if how == "triton" and len(call.args) >= 2 and isinstance(call.args[1], ast.Constant):
-            sig = _triton_signature(str(call.args[1].value))
+            kernel = call.args[0].value if isinstance(call.args[0], ast.Constant) else None
+            sig = _triton_signature(str(call.args[1].value), kernel if isinstance(kernel, str) else None)
             if sig is not None:
                 found[name] = sig
         elif how == "cpp_pybinding" and call.args and isinstance(call.args[0], (ast.List, ast.Tuple)):

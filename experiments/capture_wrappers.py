@@ -56,6 +56,38 @@ def _torchvision_models():
         return torchvision.models
 
 
+class Branchy(nn.Module):
+    """A small inception-like net that compiles in seconds on a CPU.
+
+    Four parallel branches joined by ``cat`` (views into one buffer), a
+    branch-local in-place ``relu_``, dropout (random numbers: an aten
+    fallback writing its seed with ``out=``) and batch-norm statistics
+    updated in place: the wrapper shapes the big models give, at a size
+    a CPU captures quickly.
+    """
+
+    def __init__(self, classes: int = 1000):
+        super().__init__()
+
+        def cbr(cin: int, cout: int, k: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+        self.stem = cbr(3, 16, 3)
+        self.b1 = cbr(16, 8, 1)
+        self.b3 = nn.Sequential(cbr(16, 8, 1), cbr(8, 8, 3))
+        self.b5 = nn.Sequential(cbr(16, 4, 1), cbr(4, 8, 5))
+        self.pool = nn.Sequential(nn.MaxPool2d(3, 1, 1), cbr(16, 8, 1))
+        self.drop = nn.Dropout(0.2)
+        self.fc = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = torch.cat([self.b1(x), self.b3(x), self.b5(x), self.pool(x)], 1)
+        y = torch.relu_(y * 2.0)
+        y = nn.functional.adaptive_avg_pool2d(y, 1).flatten(1)
+        return self.fc(self.drop(y))
+
+
 def _models(device: str) -> dict:
     class torchvision:  # noqa: N801 - keeps the table below reading as torchvision.models.X
         models = _torchvision_models()
@@ -67,6 +99,7 @@ def _models(device: str) -> dict:
                                                                  init_weights=False, dropout=0.0),
                          299 if device == "cuda" else 75),
         "resnet50": (lambda: torchvision.models.resnet50(weights=None), 224 if device == "cuda" else 64),
+        "branchy": (Branchy, 32),
     }
     return big
 
@@ -209,7 +242,7 @@ def capture(model_name: str, make, size: int, precision: str, device: str, out: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    p.add_argument("--models", nargs="*", default=None, help="default: googlenet inception_v3 resnet50")
+    p.add_argument("--models", nargs="*", default=None, help="default: all (googlenet inception_v3 resnet50 branchy)")
     p.add_argument("--precisions", nargs="*", default=["fp32", "bf16_cl"], help="fp32 and/or bf16_cl")
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--out", type=Path, default=Path("tests/fixtures/wrappers"), help="output folder")

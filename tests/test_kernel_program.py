@@ -196,3 +196,20 @@ def test_several_aliasing_returns_and_unpacked_arguments_are_barriers():
     # max.dim_max returns (Tensor(a!), Tensor(b!)): binding buf2 to one fresh storage would hide both aliases
     assert by_code(program, "buf2 = torch.ops.aten.max.dim_max").kind == "barrier"
     assert by_code(program, "buf3 = torch.ops.aten.add.Tensor(*args)").kind == "barrier"
+
+
+HELPER_FIRST = """
+@triton.jit
+def helper(ptr, x):
+    tl.store(ptr + x, 1.0)
+
+@triton.jit
+def kern(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    helper(in_ptr0, xnumel)
+"""
+
+
+def test_the_kernel_is_the_function_named_like_it_not_a_helper_before_it():
+    sig = _triton_signature(HELPER_FIRST, "kern")
+    assert sig.params == ("in_ptr0", "out_ptr0", "xnumel", "XBLOCK") and "in_ptr0" in sig.written
+    assert _triton_signature(HELPER_FIRST) is None  # two jitted functions and no name: not guessed
