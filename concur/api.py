@@ -147,9 +147,11 @@ class ConcurModule(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         try:
-            plan = self._plan_for(inputs)
-        except ExampleInputError as exc:  # a new mode's plan, built on inputs the model rejects:
-            raise exc.original from None  # the error the model itself gives on them
+            plan, rejected = self._plan_for(inputs), None
+        except ExampleInputError as exc:  # a new mode's plan, built on inputs the model rejects
+            plan, rejected = None, exc.original
+        if rejected is not None:
+            raise rejected  # the error the model itself gives on them, not one about setup
         object.__setattr__(self, plan.runtime_attr, plan.runtime)
         try:
             return plan.forward(self, *inputs)

@@ -60,9 +60,15 @@ def analyse(model: torch.nn.Module, example_inputs: tuple, cost_model: CostModel
     traced = trace(model, leaf_modules)
     try:
         annotate(traced, example_inputs)
-    except OpFailed as failure:
+        failure = None
+    except OpFailed as exc:
+        failure = exc
+    if failure is not None:  # raised outside the handler, so the chain is what is set here
         error = explain_failure(model, example_inputs, failure)
-        raise error from (failure.cause if debug() or not isinstance(error, ConcurError) else None)
+        if error is failure.cause:
+            raise error  # torch's own error, unchanged
+        error.__context__ = failure.cause  # kept for who looks for it, not printed (CONCUR_DEBUG prints it)
+        raise error from (failure.cause if debug() else None)
     dag = build_dag(traced.graph)
     assign_costs(dag, cost_model or AnalyticCost(roofline_for(device_name(model, example_inputs))))
     return traced, dag
