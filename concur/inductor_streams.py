@@ -4,16 +4,22 @@ Since torch 2.13 inductor has stream machinery of its own, fed by
 ``node.meta["custom"]["stream"]`` on the fx graph it lowers:
 
 * ``GraphLowering.run_node`` lowers each node inside its stream and realizes
-  inputs that come from another stream, so no pointwise op is inlined across;
+  inputs that come from another stream, so no pointwise op is inlined across
+  (a realization is stamped with the stream current at that moment: the
+  consumer's, unless something on the producer's stream realized it first,
+  which the event recorded right after it does here);
 * ``Scheduler._populate_stream_assignments`` gives every scheduler node the
   stream of its IR node *before* fusion, and fusion, in-place reuse and the
   wrapper's buffer pool are all keyed by stream (nothing is fused or reused
   across streams);
 * the Python wrapper opens ``with streamN:`` around each run of launches of
-  one stream (only on devices with streams: CPU codegen has no contexts) and
-  fetches ``streamN = _get_stream_by_index(i)`` from dynamo's table of user
-  objects, where ``i`` is the value of the stamp (an index into that table,
-  not a stream number).
+  one stream and, inside the device guard, fetches ``streamN =
+  _get_stream_by_index(i)`` (2.13: ``get_external_object_by_index(i)``) from
+  dynamo's table of user objects, where ``i`` is the value of the stamp (an
+  index into that table, not a stream number). CPU has no device guard: its
+  wrapper enters ``with default_stream:`` / ``with streamN:`` and never
+  defines them, so stamped CPU code raises NameError unless the names are
+  bound (:func:`compile_stamped` binds no-op contexts when asked to stamp CPU).
 
 Inductor does *not* add events: ordering across streams comes only from
 ``torch.ops.streams.record_event`` / ``wait_event`` nodes in the graph, each
@@ -51,12 +57,19 @@ Dynamo clears that table when a frame with user streams starts, so
 puts concur's objects back when they are missing; it also points the
 caller-stream index at the current stream.
 
+The fx graph is also put in the schedule's issue order, and inductor's
+reordering for peak memory is off while it compiles (``keep_order``): with it
+on, inductor issued a stream-0 consumer before the third branch's matmul.
+
 Not measured on a GPU: the H100 machine has torch 2.11, which lacks this
-machinery (only ``make_fallback`` of the two event ops). What is tested (on
-CPU): the stamps, the inserted syncs, the order inductor's CPU wrapper keeps
-for them, and training values. CPU codegen keeps the stamps only as fusion
-boundaries; it emits no stream contexts and the event ops cannot run there,
-so on CPU the pass stamps without syncs (for tests) or leaves the graph alone.
+machinery (only ``make_fallback`` of the two event ops); 2.13.0 and 2.14.1
+have it. What is tested, on CPU with both: the stamps, the syncs against a
+happens-before oracle, the stream contexts and event order of inductor's CPU
+wrapper and of its CUDA wrapper generated without a GPU (device properties
+faked, extern kernels only), the FX graph cache, and training values
+(stamped, without events: CPU cannot run them). Not tested anywhere: a run
+on a GPU, :class:`StreamTableCall` inside the compiled pipeline, CUDA graphs
+(``mode="reduce-overhead"``) and the allocator argument of point 5.
 """
 
 from __future__ import annotations

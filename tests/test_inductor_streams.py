@@ -481,3 +481,10 @@ def test_route_without_inductor_streams_uses_the_wrapper_route_with_a_warning(mo
 def test_unknown_route_is_refused():
     with pytest.raises(ValueError, match="route must be one of"):
         concur.backend(route="segments")
+
+
+def test_torch_before_2_13_has_no_inductor_node_streams(monkeypatch):
+    monkeypatch.setattr(compat, "torch_version", lambda: (2, 11))
+    assert not compat.has_inductor_node_streams()
+    with pytest.raises(RuntimeError, match="needs torch >= 2.13"):
+        compat.inductor_stream_ops()
