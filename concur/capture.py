@@ -103,13 +103,14 @@ class _ConcurTracer(fx.Tracer):
             raise
 
 
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """Return the innermost frame of the traceback outside torch and concur (the user's code)."""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """Return the frames of the traceback outside torch and concur (the user's code), outermost first."""
+    frames = []
+    for frame in traceback.extract_tb(exc.__traceback__):
         path = os.path.abspath(frame.filename)
         if not (path.startswith(_TORCH_DIR) or path.startswith(_CONCUR_DIR)):
-            return frame
-    return None
+            frames.append(frame)
+    return frames
 
 
 def _location(frame: traceback.FrameSummary | None) -> str | None:
@@ -189,7 +190,8 @@ def _capture_error(model: torch.nn.Module, failed: tuple[str, torch.nn.Module] |
     trace, can.
     """
     path, module = failed or ("", model)
-    frame = _user_frame(exc)
+    frames = _user_frames(exc)
+    frame = frames[-1] if frames else None
     location = _location(frame)
     at = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
     what = f"{type(exc).__name__}: {exc}"
@@ -206,21 +208,25 @@ def _capture_error(model: torch.nn.Module, failed: tuple[str, torch.nn.Module] |
                f"This code is the root module's own, not a submodule's, so no leaf module can keep "
                f"it out of the trace" + (" (leaf_modules='auto' tried)" if auto_tried else "")
                + f".\nFix: pass fallback='eager' to run the model unchanged, or keep "
-               + _wrap_advice(model, frame))
+               + _wrap_advice(model, frames))
     error = CaptureError(f"{msg}\n{TRACEBACK_HINT}", path, type(module).__name__, location)
     error.original = exc
     return error
 
 
-def _wrap_advice(model: torch.nn.Module, frame: traceback.FrameSummary | None) -> str:
-    """Say how to keep the function holding the control flow out of the trace."""
-    function = frame.name if frame is not None else ""
+def _wrap_advice(model: torch.nn.Module, frames: list[traceback.FrameSummary]) -> str:
+    """Say how to keep the function holding the failing code out of the trace.
+
+    ``torch.fx.wrap`` patches the name in the globals of the file it is
+    called in, so it belongs in the file that *calls* the function.
+    """
+    function = frames[-1].name if frames else ""
     if not function or function == "<module>" or hasattr(type(model), function):  # a method of the model
         return ("those lines out of the trace: move them into a module-level function and mark it with "
-                "torch.fx.wrap('that_function') at the top level of its file (fx then calls it as one "
-                "operation).")
-    where = os.path.basename(frame.filename)
-    advice = (f"`{function}` out of the trace: torch.fx.wrap('{function}') at the top level of {where} "
+                "torch.fx.wrap('that_function') at the top level of the file that calls it (fx then calls "
+                "it as one operation).")
+    caller = os.path.basename(frames[-2].filename) if len(frames) > 1 else "the file that calls it"
+    advice = (f"`{function}` out of the trace: torch.fx.wrap('{function}') at the top level of {caller} "
               f"makes fx call it as one operation")
     if type(model).__module__.split(".")[0] == "timm":
         advice += (f", or, without editing timm, timm.layers.register_notrace_function({function}) "
