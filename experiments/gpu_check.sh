@@ -6,6 +6,10 @@
 #   fused:MODEL    GPU test of the fused path for one model (googlenet, inception_v3, resnet50)
 #   csan:MODEL     the fused path under the CUDA sanitizer (googlenet, inception_v3, resnet50)
 #   fused-no-reuse:MODEL, csan-no-reuse:MODEL   the same with buffer_reuse=False
+#   fused-all      every test of tests/test_gpu_backend.py (training envelope and sanitizer; GoogLeNet,
+#                  Inception-v3, ResNet-50, timm hrnet_w18_small and dla34; buffer reuse on and off) in
+#                  its own process, all side by side; logs in $OUT/fused_all/, one line each in
+#                  $OUT/fused_all.txt (PASS, FAIL, SKIP or TIMEOUT). CONCUR_GPU_STEPS (default 30 here)
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
 #                  greps its source and packs torch/_inductor's top-level modules to $OUT/inductor_src.tgz
 #   capture-wrappers  golden wrappers + scheduler oracle (experiments/capture_wrappers.py), 6 in parallel,
@@ -42,6 +46,19 @@ for step in "$@"; do
                | tee "$OUT/gpu_csan_${step#csan:}.log" | tail -5 ;;
     csan-no-reuse:*) pytest_cuda tests/test_gpu_backend.py -k "sanitizer and ${step#*:} and no_reuse" 2>&1 \
                | tee "$OUT/gpu_csan_no_reuse_${step#*:}.log" | tail -5 ;;
+    fused-all) mkdir -p "$OUT/fused_all"; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
+             ids=$(python3 -m pytest -m cuda -q --collect-only -p no:cacheprovider tests/test_gpu_backend.py 2>/dev/null \
+                     | grep "::")
+             for id in $ids; do  # two compile workers each: 20 processes share 16 cores
+               log="$OUT/fused_all/$(echo "${id#*::}" | tr -c 'A-Za-z0-9_.\n-' '_').log"
+               TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} timeout -k 5 $left \
+                 python3 -m pytest -m cuda -q -s --no-header -p no:cacheprovider "$id" > "$log" 2>&1 &
+             done; wait
+             for log in "$OUT"/fused_all/*.log; do
+               if grep -q " passed" "$log"; then r=PASS; elif grep -q " failed\| error" "$log"; then r=FAIL
+               elif grep -q " skipped" "$log"; then r=SKIP; else r=TIMEOUT; fi
+               echo "$r $(basename "$log" .log) $(grep -h "first update error\|sanitized run finished" "$log" | tail -1)"
+             done | sort | tee "$OUT/fused_all.txt" ;;
     probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
              grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
                "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20

@@ -1,9 +1,16 @@
 """GPU tests of the fused path (torch.compile backend "concur"): training equality and CSAN.
 
-Written for the H100 run; each model compiles twice (2-4 minutes each there).
-Inductor's numerics differ from eager's, and training amplifies any difference,
-so the reference envelope is plain ``torch.compile`` (``streams=1``, the same
-path) against eager: concur's segments on streams may add no more than 4x that.
+Written for the H100 run; each model compiles for minutes there, so
+``experiments/gpu_check.sh fused-all`` runs every test of this file in its own
+process, side by side. Inductor's numerics differ from eager's, and training
+amplifies any difference, so the reference envelope is plain
+``torch.compile`` (``streams=1``, the same path) against eager: concur's
+launches on streams may add no more than 4x that.
+
+Models: torchvision's GoogLeNet, Inception-v3 and ResNet-50 and timm's
+``hrnet_w18_small`` and ``dla34`` (:mod:`tests.gpu_fused_models`), each with
+inductor's buffer reuse on and off. ``CONCUR_GPU_STEPS`` (default 50, at
+least 20) sets the length of the training run.
 """
 
 from __future__ import annotations
@@ -18,29 +25,38 @@ import torch
 
 import concur
 from tests.conftest import requires_cuda
-from tests.test_gpu import MODELS, ROOT, _loss, _train, exact_math  # noqa: F401 - exact_math is a fixture
+from tests.gpu_fused_models import FUSED_MODELS, TIMM_MODELS
+from tests.test_gpu import ROOT, _loss, _train, exact_math  # noqa: F401 - exact_math is a fixture
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
+STEPS = max(20, int(os.environ.get("CONCUR_GPU_STEPS", "50")))
 
 # buffer_reuse=False (more kernels overlap) becomes the default once both settings pass here:
 # -k "envelope and googlenet and no_reuse" runs the new one alone
 REUSE = pytest.mark.parametrize("buffer_reuse", [True, False], ids=["reuse", "no_reuse"])
+MODEL = pytest.mark.parametrize("name", sorted(FUSED_MODELS))
+
+
+def _needs(name: str) -> None:
+    if name in TIMM_MODELS:
+        pytest.importorskip("timm")
 
 
 @REUSE
-@pytest.mark.parametrize("name", sorted(MODELS))
+@MODEL
 def test_fused_train_step_matches_eager_within_compiles_own_envelope(name, buffer_reuse):
+    _needs(name)
     torch._inductor.config.fallback_random = True  # dropout masks as in eager
-    make, size, batch = MODELS[name]
+    make, size, batch = FUSED_MODELS[name]
     torch.manual_seed(0)
-    # channels-last (a CUDA graph of NCHW convolutions is compiled whole), and the gate off so that
-    # every model's graphs are cut: this test is about the results of cut graphs
+    # channels-last, and the gate off so that every model's graphs are placed on streams wherever the
+    # schedule spreads them: this test is about the results of placed graphs
     cl = torch.channels_last
     base = make().cuda().train().to(memory_format=cl)
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g).to(memory_format=cl),
-                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(50)]
+                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(STEPS)]
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
     results, updates = {}, {}
     for streams in (1, 4):
@@ -65,9 +81,9 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name, buffe
         return ((losses - expected).abs() / expected.abs()).cummax(0).values
 
     fused, compiled = deviation(results[4]), deviation(results[1])
-    print(f"{name}: first update error fused {update_error(updates[4]):.2e}, compile's own "
-          f"{update_error(updates[1]):.2e}; loss deviation over 50 steps fused {fused[-1]:.2e}, "
-          f"compile's own {compiled[-1]:.2e}")
+    print(f"{name} ({'reuse' if buffer_reuse else 'no reuse'}): first update error fused "
+          f"{update_error(updates[4]):.2e}, compile's own {update_error(updates[1]):.2e}; loss deviation over "
+          f"{STEPS} steps fused {fused[-1]:.2e}, compile's own {compiled[-1]:.2e}")
     assert fused[0] < 1e-4, "the first forward must match eager's"
     assert update_error(updates[4]) <= 4 * update_error(updates[1]) + 1e-4
     # Training is chaotic (on the CPU a 1e-7 nudge reaches 1e-2 in the loss within two steps), so
@@ -84,13 +100,16 @@ def _train_noting_first_update(model, opt, batches, step=None):
     losses += _train(model, opt, batches[1:], step)
     return torch.tensor(losses), update
 
+
 @REUSE
-@pytest.mark.parametrize("model", ["googlenet", "inception_v3", "resnet50"])
-def test_fused_path_under_the_sanitizer_reports_no_race(model, buffer_reuse):
+@MODEL
+def test_fused_path_under_the_sanitizer_reports_no_race(name, buffer_reuse):
+    _needs(name)
     no_reuse = [] if buffer_reuse else ["--no-buffer-reuse"]
-    result = subprocess.run([sys.executable, "-m", "tests.gpu_sanitized_run", "--compile", "--model", model,
-                             *no_reuse],
+    result = subprocess.run([sys.executable, "-m", "tests.gpu_fused_sanitized_run", "--model", name, *no_reuse],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": ROOT})
+    print(result.stdout[-2000:])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sanitized run finished" in result.stdout
+    assert "fallbacks []" in result.stdout, result.stdout[-2000:]
