@@ -32,9 +32,11 @@ from typing import Callable
 import torch
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# eps stays a float in the captured code (no scheduler moves it; a new value is a new capture): adding a
+# device scalar to a list of tensors would need torch's _foreach_add Tensor overload, newer than the others used.
 _NAMES = {torch.optim.SGD: ("lr", "momentum", "weight_decay"),
-          torch.optim.Adam: ("lr", "beta1", "beta2", "eps", "weight_decay"),
-          torch.optim.AdamW: ("lr", "beta1", "beta2", "eps", "weight_decay")}
+          torch.optim.Adam: ("lr", "beta1", "beta2", "weight_decay"),
+          torch.optim.AdamW: ("lr", "beta1", "beta2", "weight_decay")}
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -86,7 +88,7 @@ def structure(optimizer: torch.optim.Optimizer) -> tuple:
                         _nonzero(g["weight_decay"]), float(g.get("dampening", 0))))
         else:
             out.append((bool(g["amsgrad"]), bool(g.get("maximize", False)), _nonzero(g["weight_decay"]),
-                        decoupled or bool(g.get("decoupled_weight_decay", False))))
+                        decoupled or bool(g.get("decoupled_weight_decay", False)), float(g["eps"])))
     return tuple(out)
 
 
@@ -219,7 +221,7 @@ def _sgd_bucket(b: _Bucket, h: dict[str, torch.Tensor], nesterov: bool, maximize
 
 
 def _adam_bucket(b: _Bucket, h: dict[str, torch.Tensor], amsgrad: bool, maximize: bool, decay_on: bool,
-                 decoupled: bool) -> Callable[[], None]:
+                 decoupled: bool, eps: float) -> Callable[[], None]:
     """torch.optim.Adam's update (AdamW's with ``decoupled``), bias corrections in float64 on the device.
 
     The per-parameter scalars (bias corrections of each step count) are
@@ -229,7 +231,7 @@ def _adam_bucket(b: _Bucket, h: dict[str, torch.Tensor], amsgrad: bool, maximize
     steps, avgs, sqs = b.state["step"], b.state["exp_avg"], b.state["exp_avg_sq"]
 
     def step() -> None:
-        lr, beta1, beta2, eps, wd = (h[n].to(device) for n in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+        lr, beta1, beta2, wd = (h[n].to(device) for n in ("lr", "beta1", "beta2", "weight_decay"))
         cast = lambda t: t.to(dtype)  # noqa: E731
         torch._foreach_add_(steps, 1)
         g = torch._foreach_neg(b.grads) if maximize else b.grads
@@ -251,7 +253,7 @@ def _adam_bucket(b: _Bucket, h: dict[str, torch.Tensor], amsgrad: bool, maximize
         else:
             denom = torch._foreach_sqrt(sqs)
         torch._foreach_div_(denom, list(cast(bias2.sqrt()).unbind()))
-        torch._foreach_add_(denom, cast(eps))
+        torch._foreach_add_(denom, eps)
         update = torch._foreach_div(avgs, denom)
         torch._foreach_mul_(update, list(cast(-lr / bias1).unbind()))
         torch._foreach_add_(b.params, update)

@@ -490,3 +490,13 @@ def test_state_key_costs_little_on_googlenet(graphs):
     per_call = (time.perf_counter() - t0) / n
     print(f"fingerprint: {per_call * 1e6:.0f} us per call on {len(list(model.modules()))} modules")
     assert per_call < 2e-3 and not math.isnan(per_call)
+
+
+def test_adam_eps_change_is_a_new_capture(graphs):
+    """eps stays a float in the captured update: a new value must give a new capture, not a stale one."""
+    def new_eps(m, o):
+        o.param_groups[0]["eps"] = 1e-3
+
+    losses, expected, model, ref, _ = run_both(ADAM, make_batches(6), events={3: new_eps})
+    assert_same_run(losses, expected, model, ref)
+    assert graphs.captures == 2

@@ -1,0 +1,200 @@
+"""GPU tests of training habits through train_step's whole-step CUDA graphs (4 streams), against the plain loop.
+
+Schedules (OneCycleLR cycling SGD's momentum and AdamW's beta1), gradient
+clipping in ``before_step``, accumulation over 2, freezing a block half-way
+and a block's BatchNorm set to eval half-way. Two models:
+
+- a small branchy net in float64 for 24 steps, where the graph must equal
+  the plain loop to 1e-9 (only summation order differs);
+- GoogLeNet in fp32 for 20 steps, within the plain loop's own envelope (the
+  same loop from parameters nudged by 1e-6, as in tests/test_gpu.py).
+
+Each scenario fails on the code before this file (commit fb0ff05^): a float
+learning rate, momentum and betas were baked into the graph at capture
+(the OneCycleLR scenarios keep the first values), ``before_step`` and
+``accumulate`` did not exist (TypeError), and the graph key held input
+shapes only (a frozen block kept training, a BatchNorm set to eval kept
+using batch statistics). Run on the H100:
+
+    python -m pytest -q -m cuda tests/test_gpu_train_habits.py
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torchvision  # noqa: E402
+
+import concur  # noqa: E402
+from tests.conftest import requires_cuda  # noqa: E402
+from tests.models import WideNet  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+
+@pytest.fixture(autouse=True)
+def exact_math():
+    flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = flags
+
+
+def _loss(out, y):
+    ce = nn.functional.cross_entropy
+    if isinstance(out, tuple):
+        aux = [a for a in out[1:] if a is not None]
+        return ce(out[0], y) + sum(0.3 * ce(a, y) for a in aux)
+    return ce(out, y)
+
+
+def _clip(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+class Scenario:
+    """One habit: optimizer, scheduler, accumulation, before_step, and changes applied before a given call."""
+
+    def __init__(self, make_opt, make_sched=None, k=1, before_step=None, events=None):
+        self.make_opt, self.make_sched, self.k, self.before_step = make_opt, make_sched, k, before_step
+        self.events = events or {}
+
+
+def _sgd(lr):
+    return lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+
+
+def _adamw(lr):
+    return lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01)
+
+
+def _onecycle(max_lr, steps):
+    return lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=max_lr, total_steps=steps)
+
+
+def scenarios(steps, sgd_lr, adam_lr, freeze, bn_eval):
+    half = steps // 2
+    return {
+        "onecycle_sgd_momentum": Scenario(_sgd(sgd_lr), _onecycle(10 * sgd_lr, steps)),
+        "onecycle_adamw": Scenario(_adamw(adam_lr), _onecycle(10 * adam_lr, steps)),
+        "clip_grad_norm": Scenario(_sgd(sgd_lr), before_step=_clip),
+        "accumulate_2": Scenario(_sgd(sgd_lr), k=2),
+        "freeze_half_way": Scenario(_adamw(adam_lr), events={half: lambda m: freeze(m).requires_grad_(False)}),
+        "bn_eval_half_way": Scenario(_sgd(sgd_lr), events={half: lambda m: bn_eval(m).eval()}),
+    }
+
+
+def plain_loop(model, sc, batches):
+    """PyTorch's recipe with the scenario's habits."""
+    opt = sc.make_opt(model)
+    sched = sc.make_sched(opt) if sc.make_sched else None
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i in sc.events:
+            sc.events[i](model)
+        if i % sc.k == 0:
+            opt.zero_grad(set_to_none=True)
+        loss = _loss(model(x), y)
+        (loss / sc.k if sc.k > 1 else loss).backward()
+        if i % sc.k == sc.k - 1:
+            if sc.before_step:
+                sc.before_step(model, opt)
+            opt.step()
+            if sched:
+                sched.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def concur_loop(model, sc, batches):
+    opt = sc.make_opt(model)
+    sched = sc.make_sched(opt) if sc.make_sched else None
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4, accumulate=sc.k, before_step=sc.before_step)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i in sc.events:
+            sc.events[i](model)
+        losses.append(step(x, y).item())
+        if sched and i % sc.k == sc.k - 1:
+            sched.step()
+    return torch.tensor(losses, dtype=torch.float64), step
+
+
+def _check_graphs(step, name, sc):
+    assert step.graphs, "the step must run as captured graphs"
+    assert all(c.streams == 4 for c in step.graphs.values()), "the 4-stream graphs must be used"
+    assert step._hyper is not None, "SGD/AdamW hyperparameters must be read from device tensors"
+    expected = 2 if sc.k == 2 or sc.events else 1  # cycle positions, or the state before and after the change
+    assert len(step.graphs) == expected, f"{name}: {len(step.graphs)} graphs, expected {expected}"
+
+
+BRANCHY_STEPS = 24
+BRANCHY = scenarios(BRANCHY_STEPS, 0.05, 1e-3, freeze=lambda m: m.towers[0], bn_eval=lambda m: m.towers[1])
+
+
+@pytest.mark.parametrize("name", sorted(BRANCHY))
+def test_branchy_float64_habits_equal_the_plain_loop(name):
+    sc = BRANCHY[name]
+    torch.manual_seed(0)
+    model = WideNet(branches=6).cuda().double().train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, device="cuda", dtype=torch.float64, generator=g),
+                torch.randint(0, 10, (4,), device="cuda", generator=g)) for _ in range(BRANCHY_STEPS)]
+    losses, step = concur_loop(model, sc, batches)
+    expected = plain_loop(ref, sc, batches)
+    _check_graphs(step, name, sc)
+    deviation = ((losses - expected).abs() / expected.abs()).max().item()
+    param_dev = max(((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+                    for p, q in zip(model.parameters(), ref.parameters()))
+    print(f"branchy float64 {name}: loss deviation {deviation:.2e}, parameter deviation {param_dev:.2e}")
+    assert deviation <= 1e-9 and param_dev <= 1e-9
+    for b, c in zip(model.buffers(), ref.buffers()):
+        assert (b.double() - c.double()).abs().max() <= 1e-9 * max(1.0, c.double().abs().max().item())
+
+
+GOOGLENET_STEPS = 20
+GOOGLENET = scenarios(GOOGLENET_STEPS, 1e-3, 1e-4, freeze=lambda m: m.inception3a,
+                      bn_eval=lambda m: m.inception4b)
+
+
+def _perturbed(model, rel=1e-6):
+    twin = copy.deepcopy(model)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1 + rel * torch.randn(p.shape, device=p.device, generator=g))
+    return twin
+
+
+@pytest.mark.parametrize("name", sorted(GOOGLENET))
+def test_googlenet_fp32_habits_within_the_plain_loops_envelope(name):
+    sc = GOOGLENET[name]
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False,
+                                         dropout=0.0).cuda().train()
+    ref, twin = copy.deepcopy(model), _perturbed(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g),
+                torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(GOOGLENET_STEPS)]
+    losses, step = concur_loop(model, sc, batches)
+    _check_graphs(step, name, sc)
+    expected, envelope = plain_loop(ref, sc, batches), plain_loop(twin, sc, batches)
+    deviation = ((losses - expected).abs() / expected.abs()).cummax(0).values
+    allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-4
+    print(f"googlenet fp32 {name}: max loss deviation {deviation[-1]:.2e}, envelope {allowed[-1]:.2e}")
+    assert deviation[0] < 1e-5, "the first step must match"
+    assert (deviation <= allowed).all(), f"deviation {deviation} exceeds envelope {allowed}"
+    p = torch.cat([q.detach().flatten() for q in model.parameters()])
+    pr = torch.cat([q.detach().flatten() for q in ref.parameters()])
+    pt = torch.cat([q.detach().flatten() for q in twin.parameters()])
+    assert (p - pr).norm() <= 4 * (pt - pr).norm() + 1e-5 * pr.norm()
