@@ -1,12 +1,26 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 from typing import Any, Callable
 
-import pytest
-import torch
+# Inductor compiles in a pool of worker processes, one per core, each with its own copy of torch
+# (hundreds of MB): on the 2-core CI machine the suite compiles in this process instead.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import concur
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Collect only test files here: --doctest-modules (for schedulers/) would import every helper script."""
+    if collection_path.suffix == ".py" and not collection_path.name.startswith(("test_", "conftest")):
+        return True
+    return None
+
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -3,8 +3,16 @@
 Each model is built with ``weights=None`` and checked by ``compare_with_original``
 (outputs, gradients and BatchNorm statistics after one forward+backward) on
 a batch of 2 at the smallest input size it accepts, so the whole zoo stays cheap.
-By default only the smallest model of each family runs (the CI tier, about 18
-models); all others are marked ``zoo_full`` and skipped unless selected. ``python -m pytest -m zoo_full tests/test_zoo.py`` runs them.
+
+Three tiers:
+
+- default (every ``pytest`` run): a small model of 12 of the 18 families, the branchy
+  ones (GoogLeNet, Inception-v3, DenseNet) included;
+- ``zoo_full`` (CI's second step, ``python -m pytest -m zoo_full tests/test_zoo.py``):
+  all other models, among them the 6 families whose smallest model is large
+  (AlexNet, MaxViT, ResNeXt, VGG, ViT, Wide ResNet: 25-133M parameters or 224 px);
+- ``zoo_giant``: vit_h_14 and regnet_y_128gf, which need more than 23 GB of RAM
+  (``python -m pytest -m zoo_giant tests/test_zoo.py`` on a large machine).
 
 ``python -m tests.test_zoo`` times every model (each in its own process) and
 writes ``experiments/zoo_table.md``.
@@ -12,6 +20,8 @@ writes ``experiments/zoo_table.md``.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import re
 import subprocess
@@ -23,17 +33,15 @@ import pytest
 import torch
 import torchvision
 
+from concur.zoo import DEFAULT_MIN_IMAGE_SIZE, MIN_IMAGE_SIZE
 from tests.conftest import compare_with_original
 
 MODELS = torchvision.models.list_models(module=torchvision.models)
 
-# Smallest square input each model accepts where it is not 32 px.
-IMAGE_SIZE = {
-    "alexnet": 63,            # conv 11/4, three 3/2 max-pools
-    "inception_v3": 75,       # 299 with its aux head (covered in test_api), 75 without
-    "maxvit_t": 224,          # every block's input must be divisible by the 7x7 partition
-}
-# Constructor arguments that make a model accept the small input above.
+# Smallest square input each model accepts (concur.zoo's table, which the CLI checks against).
+IMAGE_SIZE = dict(MIN_IMAGE_SIZE)
+# Constructor arguments that make a model accept the small input above; GoogLeNet keeps its
+# auxiliary heads (they run at 32 px in train mode), unlike in the CLI.
 BUILD_KWARGS = {
     "inception_v3": {"aux_logits": False, "init_weights": False},
     "googlenet": {"init_weights": False},
@@ -45,14 +53,15 @@ for _name in MODELS:
         IMAGE_SIZE[_name] = 2 * int(_match.group(1))
         BUILD_KWARGS[_name] = {"image_size": 2 * int(_match.group(1))}
 
-# The default (CI) tier: the smallest model of every family, so the CPU suite stays within
-# its 10-minute budget on 2 cores; every other model is marked ``zoo_full``.
+# The default tier: small models, so the default CPU suite stays within 5 minutes and 4 GB on 2 cores.
 DEFAULT_TIER = frozenset("""
-    alexnet convnext_tiny densenet121 efficientnet_b0 googlenet inception_v3 maxvit_t mnasnet0_5
-    mobilenet_v3_small regnet_x_400mf resnet18 resnext50_32x4d shufflenet_v2_x0_5 squeezenet1_1
-    swin_t vgg11 vit_b_16 wide_resnet50_2
+    convnext_tiny densenet121 efficientnet_b0 googlenet inception_v3 mnasnet0_5 mobilenet_v3_small
+    regnet_x_400mf resnet18 shufflenet_v2_x0_5 squeezenet1_1 swin_t
 """.split())
-FULL_ONLY = frozenset(MODELS) - DEFAULT_TIER
+# Families whose smallest model is too large for the default tier (parameters, or 224 px inputs).
+FULL_ONLY_FAMILIES = frozenset({"alexnet", "maxvit", "resnext", "vgg", "vit", "wide"})
+GIANTS = frozenset({"vit_h_14", "regnet_y_128gf"})  # > 23 GB of RAM
+FULL_ONLY = frozenset(MODELS) - DEFAULT_TIER - GIANTS
 
 # Models concur cannot optimize yet, with the reason; they are expected to fail.
 UNSUPPORTED: dict[str, str] = {}
@@ -64,7 +73,7 @@ def build(name: str) -> tuple[torch.nn.Module, Callable[[], tuple]]:
     """Return a randomly initialised ``name`` in train mode and a maker of its smallest inputs."""
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None, **BUILD_KWARGS.get(name, {}))
-    size = IMAGE_SIZE.get(name, 32)
+    size = IMAGE_SIZE.get(name, DEFAULT_MIN_IMAGE_SIZE)
     return model.train(), lambda: (torch.randn(BATCH, 3, size, size),)
 
 
@@ -78,15 +87,30 @@ def _param(name: str):
     marks = []
     if name in FULL_ONLY:
         marks.append(pytest.mark.zoo_full)
+    if name in GIANTS:
+        marks.append(pytest.mark.zoo_giant)
     if name in UNSUPPORTED:
         marks.append(pytest.mark.xfail(reason=UNSUPPORTED[name], strict=True))
     return pytest.param(name, marks=marks)
 
 
+def _free_memory() -> None:
+    """Give freed model memory back to the OS, so one large model's peak does not stay for the next."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 @pytest.fixture(autouse=True)
-def _skip_full_unless_selected(request):
-    if request.node.get_closest_marker("zoo_full") and "zoo_full" not in (request.config.option.markexpr or ""):
-        pytest.skip("large variant: run with -m zoo_full")
+def _tiers(request):
+    selected = request.config.option.markexpr or ""
+    for tier in ("zoo_full", "zoo_giant"):
+        if request.node.get_closest_marker(tier) and tier not in selected:
+            pytest.skip(f"run with -m {tier}")
+    yield
+    _free_memory()
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in MODELS])
@@ -94,14 +118,29 @@ def test_torchvision_model_matches_original(name):
     check(name)
 
 
-def test_zoo_list_is_classification_models_only():
+def _family(name: str) -> str:
+    return name.split("_")[0].rstrip("0123456789")
+
+
+def test_the_tiers_cover_every_classification_model_once_and_every_family():
     assert len(MODELS) >= 80
     assert "googlenet" in MODELS and "inception_v3" in MODELS
     assert not any(n.startswith(("fasterrcnn", "deeplab", "r3d", "raft")) for n in MODELS)
-    assert FULL_ONLY <= set(MODELS) and UNSUPPORTED.keys() <= set(MODELS)
-    families = {n.split("_")[0].rstrip("0123456789") for n in MODELS}
-    default = {n.split("_")[0].rstrip("0123456789") for n in MODELS if n not in FULL_ONLY}
-    assert families == default, f"families only in zoo_full: {families - default}"
+    assert DEFAULT_TIER | FULL_ONLY | GIANTS == set(MODELS) and not DEFAULT_TIER & FULL_ONLY
+    assert UNSUPPORTED.keys() <= set(MODELS) and GIANTS <= set(MODELS)
+    families = {_family(n) for n in MODELS}
+    default = {_family(n) for n in DEFAULT_TIER}
+    assert families - default == FULL_ONLY_FAMILIES, f"families only in zoo_full: {families - default}"
+    assert len(default) == 12
+
+
+def test_the_cli_and_the_zoo_agree_on_the_smallest_inputs():
+    from concur.zoo import load
+
+    for name in ("inception_v3", "alexnet", "googlenet"):
+        zoo = load(f"torchvision:{name}")
+        assert zoo.min_image_size == IMAGE_SIZE.get(name, DEFAULT_MIN_IMAGE_SIZE)
+    assert (zoo.image_size, load("torchvision:inception_v3").image_size) == (224, 299)
 
 
 def _time_one(name: str) -> tuple[str, float, str]:
@@ -128,8 +167,8 @@ def main(argv: list[str]) -> None:
     rows = []
     for name in names:
         status, secs, reason = _time_one(name)
-        size = IMAGE_SIZE.get(name, 32)
-        tier = "zoo_full" if name in FULL_ONLY else "default"
+        size = IMAGE_SIZE.get(name, DEFAULT_MIN_IMAGE_SIZE)
+        tier = "zoo_giant" if name in GIANTS else "zoo_full" if name in FULL_ONLY else "default"
         rows.append(f"| {name} | {size} | {status} | {secs:.1f} | {tier} | {reason or UNSUPPORTED.get(name, '')} |")
         print(rows[-1], flush=True)
     if not argv:
