@@ -45,7 +45,8 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     if cls not in SUPPORTED:
         return f"{cls.__name__} is not one of SGD, Adam, AdamW"
     step = optimizer.__dict__.get("step")
-    if step is not None and not hasattr(step, "_wrapped_by_lr_sched"):  # lr schedulers wrap it to count calls
+    if step is not None and not any(hasattr(step, a) for a in ("_wrapped_by_lr_sched", "_with_counter")):
+        # (lr schedulers wrap it to note that it was called)
         return f"{cls.__name__}.step was replaced on the instance"
     if _has_step_hooks(optimizer):
         return f"{cls.__name__} has step hooks, which only optimizer.step() runs"
