@@ -187,6 +187,7 @@ def check_synced(gm: fx.GraphModule, edges: list[tuple[str, str]], stream: dict[
 
 
 def test_every_cross_stream_edge_of_a_training_graph_waits_on_an_event():
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
@@ -194,7 +195,7 @@ def test_every_cross_stream_edge_of_a_training_graph_waits_on_an_event():
 
     def capture(gm, example_inputs):
         graphs.append(gm)
-        return gm
+        return make_boxed_func(gm)
 
     model, x = Branchy(), torch.randn(32, 128)
     fn = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture,
