@@ -655,6 +655,8 @@ class StreamTableCall:
         return self.compiled(args)
 
     def __getattr__(self, name: str) -> Any:  # inductor's attributes (e.g. source_code) stay readable
+        if name == "compiled":  # not set yet (e.g. while copying): no recursion
+            raise AttributeError(name)
         return getattr(self.compiled, name)
 
 

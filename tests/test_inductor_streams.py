@@ -435,6 +435,31 @@ def test_table_entries_come_back_after_dynamo_clears_the_table():
     assert table[istreams.event_slot(0, 5)]() is objects.events[5]
 
 
+def test_each_call_puts_the_objects_back_and_points_the_caller_slot_at_the_current_stream(monkeypatch):
+    """What a compiled graph's code looks up in the table while it runs: concur's objects, the current stream."""
+    from torch._dynamo import graph_bytecode_inputs
+
+    device = torch.device("cpu")
+    current = torch.Stream(device=device)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda d=None: current)
+    seen = {}
+
+    def compiled(args):  # stands in for inductor's call: it reads the slots its code names
+        table = compat.external_object_table()
+        seen["caller"] = table[istreams.stream_slot(0, False, 0)]()
+        seen["side"] = table[istreams.stream_slot(0, True, 1)]()
+        seen["event"] = table[istreams.event_slot(0, 3)]()
+        return [a * 2 for a in args]
+
+    call = istreams.StreamTableCall(compiled, device, 2)
+    graph_bytecode_inputs.store_user_object_weakrefs()  # a frame with user streams started: table cleared
+    assert call([1, 2]) == [2, 4] and call._boxed_call
+    assert seen["caller"] is current
+    assert seen["side"] is call.objects.streams[(True, 1)]
+    assert seen["event"] is call.objects.events[3]
+    assert call.objects is istreams.StreamTableCall(compiled, device, 2).objects  # one set per device
+
+
 # -- training through the backend -----------------------------------------------------------------
 
 
