@@ -55,7 +55,10 @@ def test_cuda_modes_are_skipped_and_measured_modes_have_times(smoke_run):
     for mode in ("eager", "eager_streams:2"):
         r = rows[f"branchy:2x8|2|fp32|{mode}"]
         assert r["status"] == "ok" and r["ms"] > 0 and r["setup_s"] >= 0
-    assert rows["branchy:2x8|2|fp32|eager_streams:2"]["predicted_speedup"] > 1.0
+    streams = rows["branchy:2x8|2|fp32|eager_streams:2"]
+    # two branches: contention can only lower the ideal prediction, and neither beats 2x
+    assert streams["streams_requested"] == 2 and 1.0 < streams["predicted_speedup"] <= streams["ideal_speedup"] <= 2.0
+    assert "predicted_speedup" not in rows["branchy:2x8|2|fp32|eager"]  # no plan, no prediction
 
 
 def test_failures_are_recorded_and_the_sweep_goes_on(smoke_run):
@@ -185,7 +188,28 @@ def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
     assert rows["branchy:2x8|2|fp32|serial_graph"]["status"] == "skipped: no CUDA"  # ran after the crash
 
 
-def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path):
+def _plotted(monkeypatch) -> list[dict]:
+    """Record what each figure saved through sweep.save_figure shows: lines and bars by label."""
+    shown = []
+    real_save = sweep.save_figure
+
+    def recording_save(fig, path, meta):
+        [ax] = fig.axes
+        shown.append(dict(
+            path=path.name,
+            lines={ln.get_label(): list(zip(ln.get_xdata(), ln.get_ydata())) for ln in ax.get_lines()
+                   if not ln.get_label().startswith("_")},
+            bars={c.get_label(): [round(b.get_height(), 6) for b in c] for c in ax.containers}))
+        return real_save(fig, path, meta)
+
+    monkeypatch.setattr(sweep, "save_figure", recording_save)
+    return shown
+
+
+def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path, monkeypatch):
+    from PIL import Image
+
+    import concur.report
     from concur.monitor import Mark, MonitorRecord, Sample, UtilizationSample
 
     rows = []
@@ -199,12 +223,26 @@ def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path):
     rows.append(dict(model="m", precision="fp32", batch=8, mode="critical_path", status="ok", fwd_serial_us=100.0,
                      fwd_critical_path_us=50.0, bound_speedup=2.0))
     meta = dict(date="d", gpu="g", driver="v", torch="t")
+    merged = []
+    real_plot = concur.report.plot_utilization
+    monkeypatch.setattr(concur.report, "plot_utilization", lambda rec, *a: merged.append(rec) or real_plot(rec, *a))
+    shown = _plotted(monkeypatch)
     paths = sweep.plot_utilization_timelines(rows, meta, tmp_path) + sweep.plot_bounds(rows, meta, tmp_path)
     assert sorted(p.name for p in paths) == ["bound.png", "util_m_fp32_b8.png"]
     assert sweep.bound_rows(rows)[0]["achieved_speedup"] == pytest.approx(1.5)
+    # the bound plot: 2.0x possible, 1.5x achieved (serial 3 ms / concur 2 ms); the run's meta in the PNG
+    [bound] = shown
+    assert bound["bars"] == {"bound (forward critical path)": [2.0], "achieved (whole step)": [1.5]}
+    assert json.loads(Image.open(tmp_path / "bound.png").text["Description"]) == meta
+    # the timeline: each mode's timed phase (from 1.0 s of its own record) one after the other, by mode name
+    [record] = merged
+    assert [(m.t_s, m.label) for m in record.marks] == [(0.0, "concur_graph:4"), (1.0, "serial_graph")]
+    assert record.duration_s == 2.0 and len(record.samples) == 20
+    busy = {round(u.t_s, 6): u.gpu_percent for u in record.utilization if u.t_s >= 0}
+    assert busy[0.0] == 90.0 and busy[1.0] == 60.0
 
 
-def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path):
+def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path, monkeypatch):
     from experiments import scaling
 
     rows = [dict(model="branchy:4x32", mode="serial_graph", status="ok", ms=4.0),
@@ -217,8 +255,11 @@ def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path):
     points = scaling.scaling_points(rows)
     assert points == [dict(branches=4, width=32, streams=4, predicted=2.5, measured=2.0),
                       dict(branches=8, width=32, streams=8, predicted=3.0, measured=None)]
+    shown = _plotted(monkeypatch)
     path = scaling.plot(points, dict(date="d", gpu="g", driver="v", torch="t"), tmp_path / "scaling.png")
-    assert path.exists()
+    assert path == tmp_path / "scaling.png"
+    [figure] = shown
+    assert figure["lines"] == {"width 32: predicted": [(4, 2.5), (8, 3.0)], "width 32: measured": [(4, 2.0)]}
 
 
 def test_compile_jobs_run_children_side_by_side_after_what_must_run_alone(monkeypatch, tmp_path):
