@@ -384,11 +384,11 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     """
     source, namespace, bound_to, replace = compat.inductor_wrapper(compiled)
     program = parse_wrapper(source, namespace)
-    check_streams(program)
     launches = len(program.launches)
-    if launches < 2:
+    if launches < 2:  # nothing is reordered, so nothing needs reading further
         return PlacedKernels(None, False, launches, f"{launches} kernel launch{'es' if launches != 1 else ''}: "
                                                     "nothing to put on streams")
+    check_streams(program)
     dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
     min_cost = _MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
     schedule = schedule_launches(dag, streams, scheduler, min_cost)
