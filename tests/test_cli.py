@@ -148,7 +148,7 @@ def test_demo_checks_against_the_original_and_catches_a_wrong_plan(capsys, monke
         return cm
 
     monkeypatch.setattr(cli.api, "optimize", off_by_a_little)
-    assert main(args) == 1
+    assert main(["demo", *TINY]) == 1
     out = capsys.readouterr().out
     assert "-> MISMATCH" in out and _demo_errors(out)[0] == pytest.approx(1e-3, rel=0.01)
 
