@@ -63,6 +63,10 @@ class NodeFacts:
     flops: int
     bytes_moved: int
     launches_kernel: bool
+    # No arithmetic worth a stream: nothing launched (a view, getattr/getitem, an nn.Identity), or
+    # only tensors of at most one element (BatchNorm's num_batches_tracked.add_(1)). Such an op's
+    # time is the CPU's launch, which streams cannot overlap, so it stays beside its data.
+    no_arithmetic: bool = False
 
 
 def storage_key(t: torch.Tensor) -> Hashable:
@@ -234,8 +238,9 @@ class _Annotator(ShapeProp):
                 if key not in seen:
                     seen.add(key)
                     moved += t.numel() * t.element_size()
+        scalar_only = flops == 0 and all(t.numel() <= 1 for t in inputs + outputs + state)
         n.meta["concur"] = NodeFacts(frozenset(reads), frozenset(writes), frozenset(out_keys),
-                                     flops, moved, launches)
+                                     flops, moved, launches, not launches or scalar_only)
         return result
 
     def _value_of(self, arg: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect as pyinspect
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from .errors import CaptureError, ConcurError, ExampleInputError, debug
 from .plan import Plan, analyse, build_plan, device_name
 
 FALLBACKS = ("error", "eager")
+log = logging.getLogger("concur")
 
 
 # What a ConcurModule takes from its original model: the same dict objects, so each change through
@@ -116,6 +118,13 @@ class ConcurModule(nn.Module):
         plan = self._plans.get(key)
         if plan is None:
             plan = build_plan(self.original, inputs, **self._options)
+            if plan.schedule.num_streams > 1:
+                speedup = predicted_speedup(plan)
+                if speedup < 1.0:  # side streams would only add waits: never slower than one stream
+                    log.info("concur.optimize: %s runs on one stream: its %d-stream plan is predicted at "
+                             "%.2fx of one stream (kernels sharing the device)", type(self.original).__name__,
+                             plan.schedule.num_streams, speedup)
+                    plan = build_plan(self.original, inputs, **{**self._options, "streams": 1})
             for node in plan.traced.graph.nodes:  # fx-made constants live on the traced root
                 if node.op == "get_attr":
                     atom = str(node.target).split(".")[0]
@@ -158,6 +167,19 @@ class ConcurModule(nn.Module):
         except BaseException:
             plan.runtime.abort()
             raise
+
+
+def predicted_speedup(plan: Plan) -> float:
+    """Return one stream's predicted time over the plan's, concurrent kernels sharing the device.
+
+    The contention-aware prediction (:func:`schedulers.simulate_shared`, each
+    wait costing the schedule's ``sync_cost``), not the ideal one: a plan whose
+    kernels already fill the device gains nothing on side streams and pays for
+    every wait.
+    """
+    serial_us = sum(float(plan.dag.nodes[v].get("cost") or 0.0) for v in plan.schedule.order)
+    span = schedulers.simulate_shared(plan.dag, plan.schedule)
+    return serial_us / span if span > 0 else 1.0
 
 
 def _rebuild(model: nn.Module, options: dict) -> ConcurModule:

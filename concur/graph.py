@@ -44,13 +44,15 @@ def facts(node: fx.Node) -> NodeFacts:
 def build_dag(graph: fx.Graph) -> nx.DiGraph:
     """Return the DAG of operation nodes with ``kind="data"`` and ``kind="hazard"`` edges.
 
-    Node attributes: ``target`` (a readable name of the op) and ``facts``.
-    Costs are added later by :mod:`concur.cost`.
+    Node attributes: ``target`` (a readable name of the op), ``facts``, and
+    ``trivial`` (``facts.no_arithmetic``: the schedulers keep such an op with
+    its producer or consumer, see :func:`schedulers.attach_trivial`). Costs
+    are added later by :mod:`concur.cost`.
     """
     dag = nx.DiGraph()
     ops = operation_nodes(graph)
     for n in ops:
-        dag.add_node(n.name, target=describe(n), facts=facts(n))
+        dag.add_node(n.name, target=describe(n), facts=facts(n), trivial=facts(n).no_arithmetic)
     for n in ops:
         for u in n.all_input_nodes:
             if u.op in OP_KINDS:

@@ -24,11 +24,12 @@ from schedulers.schedule import (
 from schedulers.serial import serial
 from schedulers.critical_path import critical_path
 from schedulers.fork import fork
-from schedulers.coarsen import Coarsened, coarsen, expand
+from schedulers.coarsen import Coarsened, attach_trivial, coarsen, expand
 from schedulers.analysis import critical_path_length, predicted_speedups, speedup_predictions, width
 
 __all__ = [
     "Coarsened",
+    "attach_trivial",
     "coarsen",
     "expand",
     "Replay",

@@ -14,7 +14,11 @@ grouped into clusters, walked in program order:
 * a join (inputs from several clusters) starts a new cluster: were it to
   continue one branch, that whole branch would have to wait for the others;
 * views (``view`` attribute) cost nothing and go with their input; a view or
-  cheap op with no inputs goes with its only consumer.
+  cheap op with no inputs goes with its only consumer;
+* ops that do no arithmetic (``trivial`` attribute: a ``getitem``, an
+  identity, BatchNorm's ``num_batches_tracked += 1``) are treated as views,
+  and a cluster left holding only such ops joins a neighbour
+  (:func:`attach_trivial`), so none of them costs a stream switch.
 
 ::
 
@@ -41,14 +45,15 @@ marked otherwise; a compiler marks pointwise work as not heavy.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import networkx as nx
 
 from schedulers.schedule import Schedule, build_schedule, insertion_order, node_cost
 
-__all__ = ["Coarsened", "coarsen", "expand", "merge_small"]
+__all__ = ["Coarsened", "attach_trivial", "coarsen", "expand", "merge_small", "with_trivial_attached"]
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,15 @@ class Coarsened:
     cluster_of: dict[Hashable, int]
 
 
-def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: str = "heavy") -> Coarsened:
+def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: str = "heavy",
+            trivial: str = "trivial") -> Coarsened:
     """Return ``dag`` contracted into branch clusters (see the module docstring).
 
-    Clusters cheaper than ``min_cost`` (an event's worth of work) are then
+    Clusters of ``trivial`` ops only join a neighbour (:func:`attach_trivial`);
+    clusters cheaper than ``min_cost`` (an event's worth of work) are then
     merged into a neighbour (:func:`merge_small`).
     """
-    is_view = {v: bool(dag.nodes[v].get(view, False)) for v in dag}
+    is_view = {v: bool(dag.nodes[v].get(view, False) or dag.nodes[v].get(trivial, False)) for v in dag}
     is_heavy = {v: bool(dag.nodes[v].get(heavy, True)) for v in dag}
 
     def origin(u: Hashable) -> Hashable:  # the value a view chain reads
@@ -139,7 +146,92 @@ def coarsen(dag: nx.DiGraph, view: str = "view", min_cost: float = 0.0, heavy: s
         put(v, target)
     for d in deferred:  # a source whose consumer never came (cannot happen in a DAG; kept for safety)
         put(d, len(members))
-    return merge_small(dag, {c: tuple(vs) for c, vs in members.items()}, min_cost)
+    attached = attach_trivial(dag, {c: tuple(vs) for c, vs in members.items()}, trivial)
+    return merge_small(dag, attached.members, min_cost)
+
+
+def attach_trivial(dag: nx.DiGraph, members: dict[int, tuple] | None = None, trivial: str = "trivial"
+                   ) -> Coarsened:
+    """Return ``members`` (default: one cluster per node) with each cluster of ``trivial`` ops joined to a neighbour.
+
+    An op that does no arithmetic (a view, a ``getitem``, an identity, a
+    one-element counter update) is worth no stream of its own: on a stream
+    apart it costs an event wait and is predicted to overlap work it cannot
+    speed up, since its time is the CPU's launch. A cluster holding only such
+    ops therefore joins, in program order:
+
+    * the cluster of its latest producer (the one issued last), when that adds
+      no cycle;
+    * else, with no producer, the cluster of its only consumer;
+    * else, with neither (BatchNorm's ``num_batches_tracked.add_(1)``), the
+      cluster of the op just before it in program order, which adds no
+      dependency at all.
+
+    A trivial source feeding several clusters stays alone: joining any one of
+    them would order the others after it.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph([("x", "a"), ("x", "i"), ("i", "b"), ("a", "c"), ("b", "c")])
+    >>> dag.add_node("n", trivial=True); dag.nodes["i"]["trivial"] = True
+    >>> sorted(map(sorted, attach_trivial(dag).members.values()))
+    [['a'], ['b'], ['c', 'n'], ['i', 'x']]
+    """
+    order = insertion_order(dag)
+    position = {v: i for i, v in enumerate(order)}
+    if members is None:
+        members = {i: (v,) for i, v in enumerate(order)}
+    groups = {c: list(vs) for c, vs in members.items()}
+    cluster_of = {v: c for c, vs in groups.items() for v in vs}
+    coarse = nx.DiGraph()
+    coarse.add_nodes_from(groups)
+    coarse.add_edges_from((cluster_of[u], cluster_of[v]) for u, v in dag.edges if cluster_of[u] != cluster_of[v])
+    candidates = sorted((c for c, vs in groups.items() if vs and all(dag.nodes[v].get(trivial, False) for v in vs)),
+                        key=lambda c: min(position[v] for v in groups[c]))
+    for c in candidates:
+        preds = {cluster_of[u] for v in groups[c] for u in dag.predecessors(v)} - {c}
+        succs = set(coarse.successors(c))
+        if preds:
+            latest = max((u for v in groups[c] for u in dag.predecessors(v) if cluster_of[u] != c),
+                         key=position.__getitem__)
+            into = cluster_of[latest]
+            if len(preds) > 1 and not _merge_keeps_acyclic(coarse, into, c):
+                continue
+        elif len(succs) == 1:
+            into = succs.pop()  # no producer: joining the one consumer adds no edge
+        elif not succs:
+            first = min(position[v] for v in groups[c])
+            if len(groups) < 2:
+                continue
+            before = [v for v in order[:first] if cluster_of[v] != c]
+            into = cluster_of[before[-1]] if before else cluster_of[next(v for v in order if cluster_of[v] != c)]
+        else:
+            continue
+        for v in groups.pop(c):
+            groups[into].append(v)
+            cluster_of[v] = into
+        coarse = nx.contracted_nodes(coarse, into, c, self_loops=False, copy=False)
+    return _cluster_dag(dag, {c: tuple(vs) for c, vs in groups.items()})
+
+
+def with_trivial_attached(scheduler: Callable[..., Schedule]) -> Callable[..., Schedule]:
+    """Wrap a scheduler so ``trivial`` ops go on the stream of the cluster :func:`attach_trivial` gives them.
+
+    The wrapped scheduler sees the contracted DAG (a node per cluster, cost
+    the members' sum) and its schedule is expanded back, with its own
+    ``sync_cost``; a DAG with no trivial op is scheduled as it is.
+    """
+
+    @functools.wraps(scheduler)
+    def wrapped(dag: nx.DiGraph, num_streams: int, *args: object, **kw: object) -> Schedule:
+        if not any(trivial for _, trivial in dag.nodes(data="trivial")):
+            return scheduler(dag, num_streams, *args, **kw)
+        coarse = attach_trivial(dag)
+        planned = scheduler(coarse.dag, num_streams, *args, **kw)
+        order = [v for c in planned.order for v in coarse.members[c]]
+        stream = {v: planned.stream[coarse.cluster_of[v]] for v in order}
+        return build_schedule(dag, order, stream, planned.scheduler, planned.sync_cost)
+
+    return wrapped
 
 
 def _cluster_dag(dag: nx.DiGraph, members: dict[int, tuple]) -> Coarsened:

@@ -29,6 +29,7 @@ from collections.abc import Hashable
 
 import networkx as nx
 
+from schedulers.coarsen import with_trivial_attached
 from schedulers.schedule import Schedule, build_schedule, check_dag, node_cost, register
 
 __all__ = ["critical_path", "bottom_levels"]
@@ -50,6 +51,7 @@ def bottom_levels(dag: nx.DiGraph) -> dict[Hashable, float]:
 
 
 @register
+@with_trivial_attached
 def critical_path(
     dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, **kw: object
 ) -> Schedule:

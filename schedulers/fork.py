@@ -30,6 +30,7 @@ from collections.abc import Hashable
 
 import networkx as nx
 
+from schedulers.coarsen import with_trivial_attached
 from schedulers.schedule import (
     Schedule,
     build_schedule,
@@ -43,6 +44,7 @@ __all__ = ["fork"]
 
 
 @register
+@with_trivial_attached
 def fork(dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, **kw: object) -> Schedule:
     """Return a schedule that keeps chains on one stream and gives each forked branch its own.
 
