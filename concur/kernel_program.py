@@ -14,14 +14,19 @@ reuse`` and ``reinterpret_tensor(buf5, ...)`` stay in ``buf5``'s group), so
 :mod:`concur.kernel_streams` can issue the launches on several streams
 without touching the kernels, their layouts or their fusion.
 
-What a launch writes comes from the kernel itself, never from guessing:
-triton kernels name written pointers ``out_ptr*`` / ``in_out_ptr*`` (and list
-others in ``mutated_arg_names``); C++ kernels take ``const`` pointers for
-inputs; extern kernels write their ``out=``; aten fallbacks follow their
-schema (``Tensor(a!)``), and ops tagged ``nondeterministic_seeded`` also
-write the random generator, so draws keep their order. A statement this
-module does not understand becomes a *barrier* ordered after and before
-everything, which is slow but never wrong.
+What a launch writes comes from the kernel itself and fails closed: a
+triton pointer counts as read-only only when the kernel's body provably
+just loads through it (``tl.load`` of the pointer plus offsets), so
+``out_ptr*``, ``in_out_ptr*``, but also the cooperative reductions'
+``sem_ptr`` and ``ws_ptr`` or any name inductor adds later count as
+written; C++ kernels write every pointer to non-``const``; the known extern
+kernels (convolution, mm, ...) write their ``out=``, any other every
+argument; aten fallbacks follow their schema (``Tensor(a!)``), and ops
+tagged ``nondeterministic_seeded`` also write the random generator, so
+draws keep their order. A statement this module does not understand
+becomes a *barrier* ordered after and before everything, which is slow but
+never wrong. ``tests/test_golden_wrappers.py`` checks real wrappers of each
+version in :data:`TESTED_TORCH_VERSIONS` against inductor's own scheduler.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ WORLD = "<world>"  # read by every launch, written by barriers
 
 # torch versions whose real wrappers are checked in (tests/fixtures/wrappers) and checked against inductor's
 # own scheduler by tests/test_golden_wrappers.py: 2.11 on an H100 (triton), 2.13 and 2.14.1 on CPU (C++)
-TESTED_TORCH_VERSIONS = ("2.11.0",)
+TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0", "2.14.1")
 
 _ALLOCATORS = {"empty_strided_cuda", "empty_strided_cpu", "empty_strided_xpu", "empty_strided",
                "empty_strided_p2p"}

@@ -24,12 +24,16 @@ wrapper names:
   launch after the binding that touches the buffer's storage group.
 
 A node that mutates an input in place (``copy_`` of batch-norm statistics)
-writes a mutation buffer the wrapper never names; its launch is the first
-one after the previous node's that uses the mutated name. ``NopKernel``
+writes a mutation buffer the wrapper never names; its launch is one that uses
+the mutated name between the launches of the nodes before and after it,
+preferring one strictly between (on CPU it is often a neighbour's own
+kernel). ``NopKernel``
 nodes (a ``cat`` whose inputs write into slices) emit nothing. Every other
-node must map to exactly one launch, and every launch to exactly one node,
-which is how the number of launches is checked; buffers a fused kernel keeps
-in registers never appear in the wrapper and are skipped.
+node must map to exactly one launch, and every launch to a node (on CUDA to
+exactly one; inductor's C++ backend emits consecutive nodes as one kernel);
+the number of launches is also checked against the kernel calls counted in
+the wrapper's text. Buffers a fused kernel keeps in registers never appear in
+the wrapper and are skipped.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def _map_nodes(golden: Golden) -> None:
     for i, s in enumerate(statements):
         for name in s.binds:
             first_bind.setdefault(name, i)
-    cursor = -1
+    mutating_only = []
     for node in golden.nodes:
         if node["type"] == "NopKernelSchedulerNode":
             continue
@@ -131,10 +135,8 @@ def _map_nodes(golden: Golden) -> None:
                 else:
                     launches.add(after)
         if not outputs and node["mutations"]:
-            after = next((j for j in range(cursor + 1, len(statements))
-                          if statements[j].is_launch and set(node["mutations"]) & statements[j].uses), None)
-            if after is not None:
-                launches.add(after)
+            mutating_only.append(node)
+            continue
         if not launches:
             if not (outputs and views == len(outputs)):
                 golden.problems.append(f"{node['name']} ({node['type']}) maps to no launch")
@@ -144,7 +146,19 @@ def _map_nodes(golden: Golden) -> None:
             golden.problems.append(f"{node['name']} maps to several launches {sorted(launches)}")
             continue
         (golden.launch_of[node["name"]],) = launches
-        cursor = max(cursor, golden.launch_of[node["name"]])
+    order = {node["name"]: k for k, node in enumerate(golden.nodes)}
+    for node in mutating_only:  # between the launches of the nodes around it, preferring one of its own
+        k = order[node["name"]]
+        before = max((i for n, i in golden.launch_of.items() if i is not None and order[n] < k), default=0)
+        after = min((i for n, i in golden.launch_of.items() if i is not None and order[n] > k),
+                    default=len(statements) - 1)
+        uses = [j for j in range(before, after + 1)
+                if statements[j].is_launch and set(node["mutations"]) & statements[j].uses]
+        inside = [j for j in uses if before < j < after]
+        if not uses:
+            golden.problems.append(f"{node['name']} mutates {node['mutations']} but no launch near it uses them")
+            continue
+        golden.launch_of[node["name"]] = (inside or uses)[0]
 
 
 def groups_at(golden: Golden, i: int) -> dict[str, str]:
@@ -166,7 +180,8 @@ def test_every_scheduled_node_maps_to_one_launch_and_back(path):
     golden = load(path)
     assert not golden.problems, golden.problems[:5]
     mapped = [i for i in golden.launch_of.values() if i is not None]
-    assert len(mapped) == len(set(mapped)), "two scheduler nodes map to one launch"
+    if path.parent.name.endswith("-cuda"):  # on CPU consecutive nodes share one C++ kernel (a kernel group)
+        assert len(mapped) == len(set(mapped)), "two scheduler nodes map to one launch"
     launches = {i for i, s in enumerate(golden.program.statements) if s.is_launch}
     unmapped = sorted(launches - set(mapped))
     assert not unmapped, [ast.unparse(golden.program.statements[i].node)[:80] for i in unmapped[:5]]
