@@ -48,6 +48,9 @@ def _fake_timm(monkeypatch, **cfg):
     timm = types.SimpleNamespace(create_model=create_model, is_model=lambda name: name == "tiny",
                                  list_models=lambda: ["tiny", "tinier"])
     monkeypatch.setitem(sys.modules, "timm", timm)
+    # where timm lists what fx must not trace (concur's capture reads it whenever timm is imported)
+    monkeypatch.setitem(sys.modules, "timm.layers._fx", types.SimpleNamespace(
+        get_notrace_modules=lambda: [], get_notrace_functions=lambda: []))
 
 
 @pytest.mark.parametrize("argv, fix", [
