@@ -169,12 +169,14 @@ def test_expanded_fork_runs_branches_on_two_streams():
 
 @st.composite
 def flagged_dags(draw: st.DrawFn) -> nx.DiGraph:
-    """`random_dags` with random ``heavy`` and ``view`` flags (views are free, like the aten DAG's)."""
+    """`random_dags` with random ``heavy``, ``view`` and ``trivial`` flags (views are free, like the aten DAG's)."""
     dag = draw(random_dags())
     for v in dag:
-        kind = draw(st.sampled_from(["heavy", "cheap", "view", "unset"]))
+        kind = draw(st.sampled_from(["heavy", "cheap", "view", "trivial", "unset"]))
         if kind == "view":
             dag.nodes[v].update(view=True, heavy=False, cost=0.0)
+        elif kind == "trivial":
+            dag.nodes[v].update(trivial=True, heavy=False)
         elif kind != "unset":
             dag.nodes[v]["heavy"] = kind == "heavy"
     return dag
@@ -233,3 +235,60 @@ def test_an_unconnected_cheap_op_joins_a_cluster_instead_of_a_stream_of_its_own(
     coarse = coarsen(dag, min_cost=10.0)
     assert clusters(coarse) == [["bump", "conv", "relu"]]
     assert expand(dag, coarse, schedule(coarse.dag, 4, "critical_path")).num_streams == 1
+
+
+# ---------------------------------------------------------------- ops that do no arithmetic
+
+
+def test_docstring_attach_trivial():
+    dag = nx.DiGraph([("x", "a"), ("x", "i"), ("i", "b"), ("a", "c"), ("b", "c")])
+    dag.add_node("n", trivial=True)
+    dag.nodes["i"]["trivial"] = True
+    assert clusters(schedulers.attach_trivial(dag)) == [["a"], ["b"], ["c", "n"], ["i", "x"]]
+
+
+def test_a_trivial_source_joins_its_only_consumer_and_one_feeding_two_stays_alone():
+    dag = dag_of([("s", "a"), ("t", "a"), ("t", "b")], {"s": 1.0, "t": 1.0, "a": 5.0, "b": 5.0})
+    nx.set_node_attributes(dag, {"s": True, "t": True}, "trivial")
+    assert clusters(schedulers.attach_trivial(dag)) == [["a", "s"], ["b"], ["t"]]
+
+
+def test_a_trivial_join_that_would_close_a_cycle_stays_alone():
+    # t reads u and p; p, its latest producer, shares a cluster with q, which u reads:
+    # t joining {q, p} would make {q, p, t} -> u -> {q, p, t}
+    dag = dag_of([("q", "u"), ("q", "p"), ("u", "t"), ("p", "t")], {"q": 1.0, "u": 1.0, "p": 1.0, "t": 0.0})
+    dag.nodes["t"]["trivial"] = True
+    coarse = schedulers.attach_trivial(dag, {0: ("q", "p"), 1: ("u",), 2: ("t",)})
+    assert clusters(coarse) == [["p", "q"], ["t"], ["u"]]
+    check_coarsened(dag, coarse)
+
+
+def test_coarsen_attaches_an_unconnected_trivial_op_without_min_cost():
+    """Before, only merge_small (min_cost > 0) moved BatchNorm's counter off a cluster of its own."""
+    dag = dag_of([("conv", "relu")], {"conv": 50.0, "relu": 1.0})
+    dag.add_node("bump", cost=0.5, trivial=True)
+    assert clusters(coarsen(dag)) == [["bump", "conv", "relu"]]
+
+
+@pytest.mark.parametrize("name", ["critical_path", "fork"])
+def test_schedulers_keep_a_trivial_op_on_its_producers_stream(name):
+    # x forks into two heavy branches; the identity i beside them would otherwise get a stream and 2 waits
+    dag = dag_of([("x", "a"), ("x", "b"), ("x", "i"), ("a", "c"), ("b", "c"), ("i", "c")],
+                 {"x": 1.0, "a": 10.0, "b": 10.0, "i": 0.0, "c": 1.0})
+    dag.add_node("bump", cost=2.0, trivial=True)  # an unconnected step counter
+    dag.nodes["i"]["trivial"] = True
+    s = schedule(dag, 4, name)
+    assert s.stream["i"] == s.stream["x"] and s.num_streams == 2
+    assert [w for w in s.waits if "i" in (w.producer, w.consumer)] == []
+    assert len(s.waits) == 2 and validate(dag, s) == []
+
+
+@PROPS
+@given(dag=flagged_dags(), k=st.integers(1, 4), name=st.sampled_from(["critical_path", "fork"]))
+def test_trivial_ops_with_one_producer_run_on_its_stream(dag, k, name):
+    check_coarsened(dag, schedulers.attach_trivial(dag))
+    s = schedule(dag, k, name)
+    assert validate(dag, s) == []
+    for v, trivial in dag.nodes(data="trivial"):
+        if trivial and dag.in_degree(v) == 1:
+            assert s.stream[v] == s.stream[next(iter(dag.predecessors(v)))]
