@@ -421,7 +421,9 @@ class TrainStep:
         return captured.static_loss.detach().clone()
 
     def _warn_if_values_are_baked(self, values: tuple) -> None:
-        if self._hyper is None and self._last_baked is not None and values != self._last_baked:
+        # Same groups, other values (a new group is a new layout, not a schedule).
+        if self._hyper is None and self._last_baked is not None and len(values) == len(self._last_baked) \
+                and values != self._last_baked:
             self._warn_once(f"concur.train_step: the hyperparameters of {type(self.optimizer).__name__} changed "
                             f"after capture; because {self._baked_reason}, its graphs hold the values of their "
                             "capture, so each new value is captured anew (warm-up and capture each time). For a "
