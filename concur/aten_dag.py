@@ -137,14 +137,30 @@ def aten_cost(node: fx.Node) -> AtenCost:
     return AtenCost(flops, out_bytes, in_bytes, fused=flops == 0, is_view=False)
 
 
+def is_trivial(node: fx.Node, cost: AtenCost) -> bool:
+    """Return True if the op does no arithmetic worth a stream: a view, or only tensors of at most one element.
+
+    BatchNorm's ``num_batches_tracked + 1`` and its ``copy_`` back into the
+    buffer are such ops: their time is a launch, which a side stream cannot
+    overlap, so :func:`schedulers.coarsen` keeps them beside their data.
+    """
+    if cost.is_view:
+        return True
+    values = [_value(node), *(_value(u) for u in node.all_input_nodes)]
+    tensors = [t for v in values for t in tensors_in(v)]
+    sizes = [t.numel() for t in tensors]  # a symbolic size is never compared: no guard is added for it
+    return cost.flops == 0 and bool(sizes) and all(type(k) is int and k <= 1 for k in sizes)
+
+
 def build_aten_dag(graph: fx.Graph, roof: Roofline) -> nx.DiGraph:
-    """Return the DAG of ``graph``'s scheduled nodes with ``cost`` (µs), ``share``, ``view``, ``heavy``, ``target``."""
+    """Return the DAG of ``graph``'s scheduled nodes with ``cost`` (µs), ``share``, ``view``, ``heavy``,
+    ``trivial`` (:func:`is_trivial`) and ``target``."""
     nodes = scheduled_nodes(graph)
     dag = nx.DiGraph()
     for n in nodes:
         cost = aten_cost(n)
         dag.add_node(n.name, cost=cost.microseconds(roof), share=cost.share(roof), view=cost.is_view,
-                     heavy=not cost.fused, target=str(n.target))
+                     heavy=not cost.fused, trivial=is_trivial(n, cost), target=str(n.target))
     for n in nodes:
         for u in n.all_input_nodes:
             u = root(u)
