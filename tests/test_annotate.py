@@ -93,3 +93,24 @@ def test_flops_and_bytes_are_recorded():
     conv = operation_nodes(gm.graph)[0].meta["concur"]
     assert conv.flops == 2 * 8 * 8 * 8 * 3 * 3 * 3
     assert conv.bytes_moved > 0 and conv.launches_kernel
+
+
+class NoArithmetic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.skip = nn.Identity()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)                # a one-element counter: a launch, no work
+        n = x.shape[0]                    # getattr, then getitem
+        y = self.skip(x).view(n, -1)      # identity, view
+        return torch.relu(y) + x.sum()    # real work
+
+
+def test_ops_without_arithmetic_are_told_apart_from_work():
+    gm = trace(NoArithmetic())
+    annotate(gm, (torch.randn(4, 3),))
+    facts = {n.name: n.meta["concur"] for n in operation_nodes(gm.graph)}
+    assert {name for name, f in facts.items() if f.no_arithmetic} == {"add_", "getattr_1", "getitem", "skip", "view"}
+    assert facts["add_"].launches_kernel  # still a kernel, just not one worth a stream
