@@ -48,7 +48,8 @@ from pathlib import Path
 
 import pytest
 
-from concur.kernel_program import TESTED_TORCH_VERSIONS, KernelProgram, Statement, parse_wrapper_source
+from concur.annotate import RNG
+from concur.kernel_program import TESTED_TORCH_VERSIONS, WORLD, KernelProgram, Statement, parse_wrapper_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wrappers"
 GRAPHS = sorted(p.parent for p in FIXTURES.glob("*/*/wrapper.py.gz"))
@@ -250,3 +251,27 @@ def test_wrapper_parses_with_only_expected_barriers_and_every_launch(path):
     call = golden.source[golden.source.index("def call("):]
     call = call[:call.index("\n\n\n")] if "\n\n\n" in call else call
     assert len(golden.program.launches) == sum(1 for line in call.splitlines() if _LAUNCH_LINE.match(line))
+
+
+@pytest.mark.parametrize("path", GRAPHS, ids=graph_id)
+def test_failing_closed_costs_no_ordering_on_real_wrappers(path):
+    """No launch writes a storage its nodes do not: an extra write is safe but orders launches for nothing.
+
+    Not a correctness check (extra writes are allowed) but a guard on what
+    failing closed costs: on every real wrapper the parser's write sets are
+    exactly the scheduler's, so a change that makes them coarser shows here.
+    """
+    golden = load(path)
+    expected: dict[int, set[str]] = {}
+    for node in golden.nodes:
+        i = golden.launch_of.get(node["name"])
+        if i is None:
+            continue
+        state = groups_at(golden, i)
+        for buffer in set(node["writes"]) | set(node["mutations"]):
+            group = state.get(golden.real_name.get(buffer, buffer))
+            if group is not None:
+                expected.setdefault(i, set()).add(group)
+    extra = [(ast.unparse(s.node)[:80], sorted(s.writes - expected.get(i, set()) - {WORLD, RNG}))
+             for i, s in enumerate(golden.program.statements) if s.kind == "launch"]
+    assert not [e for e in extra if e[1]], [e for e in extra if e[1]][:5]
