@@ -9,8 +9,16 @@ For each model, precision and graph (forward, backward) this writes, under
   itself and not from the wrapper text, so a parser of the wrapper can be checked against it,
 - ``meta.json``: torch version, device, model, input shape.
 
-    python -m experiments.capture_wrappers --device cuda --out tests/fixtures/wrappers
-    python -m experiments.capture_wrappers --device cpu --models small --out tests/fixtures/wrappers
+    python -m experiments.capture_wrappers --device cuda --models googlenet inception_v3 resnet50 \
+        --out tests/fixtures/wrappers
+    # the CPU sets of torch 2.13.0 and 2.14.1 (run once with each torch; a fresh TORCHINDUCTOR_CACHE_DIR,
+    # so that inductor's FX graph cache cannot skip the scheduler):
+    TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m experiments.capture_wrappers \
+        --device cpu --models googlenet resnet50 branchy --batch 2 --no-compile-cpp --out tests/fixtures/wrappers
+
+``--no-compile-cpp`` skips g++ (most of a CPU capture's time): the C++
+kernels are replaced by ones that zero their tensors, which changes no
+wrapper text and no scheduler record, only the values computed.
 """
 
 from __future__ import annotations
