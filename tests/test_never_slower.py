@@ -143,10 +143,11 @@ def test_a_plan_predicted_faster_keeps_its_streams(caplog):
     assert not [r for r in caplog.records if r.name == "concur"]
 
 
-@pytest.mark.parametrize("name", ["convnext_atto", "regnetx_002"])
+@pytest.mark.parametrize("name", ["convnext_atto", "poolformer_s12"])
 def test_timm_nets_named_in_the_issue_are_not_planned_slower(name):
     timm = pytest.importorskip("timm")
     model = timm.create_model(name, pretrained=False, num_classes=10)
     x = torch.randn(1, 3, 64, 64)
-    fast = concur.optimize(model, (x,), streams=4, cost_model=H100)
-    assert fast.schedule.num_streams == 1 or concur.api.predicted_speedup(fast.plan) >= 1.0
+    plan = concur.optimize(model, (x,), streams=4, cost_model=H100).plan
+    serial_us = sum(plan.dag.nodes[v]["cost"] for v in plan.schedule.order)
+    assert plan.schedule.num_streams == 1 or serial_us / schedulers.simulate_shared(plan.dag, plan.schedule) >= 1.0
