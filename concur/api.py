@@ -226,6 +226,10 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     leaves of the submodules fx cannot trace, warns naming them, and lists them
     in ``auto_leaves``. ``fallback="eager"`` returns ``model`` itself, with a
     warning, when it cannot be traced.
+
+    Never slower by prediction: a plan whose contention-aware predicted
+    speedup (:func:`predicted_speedup`) is below 1.0 is replaced by one
+    stream, and one info line on the ``concur`` logger says so.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")

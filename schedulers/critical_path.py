@@ -18,6 +18,10 @@ predecessor that finishes last (so chains and zero-cost nodes stay with their
 producer when moving gains nothing), then to the lowest stream index. The
 issue order is the order of placement; the waits are `minimal_waits`.
 
+Nodes marked ``trivial`` (no arithmetic: a view, an identity, a step
+counter) are first joined to a neighbour (`schedulers.attach_trivial`), so
+none gets a stream or a wait of its own.
+
 With ``sync_cost=0`` the predicted makespan never exceeds the serial one: each
 placement finishes no later than the latest finish so far plus its own cost.
 """

@@ -20,6 +20,9 @@ too, so independent chains from different inputs run side by side.
 (its top level); ties go to the lowest stream, which pulls joins back towards
 the caller's stream.
 
+Nodes marked ``trivial`` are joined to a neighbour first, as in
+`critical_path` (`schedulers.attach_trivial`).
+
 Unlike `critical_path`, `fork` ignores how long each branch takes; it is the
 simple, predictable structural baseline.
 """
