@@ -131,13 +131,20 @@ def _triton_pointer_types(fn: ast.FunctionDef) -> dict[str, str]:
     return {}
 
 
+_TRITON_SCALARS = {"constexpr", "i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64",
+                   "fp8e4nv", "fp8e5", "fp16", "bf16", "fp32", "fp64"}
+
+
 def _is_scalar_param(arg: ast.arg, types: Mapping[str, str]) -> bool:
-    """A parameter the kernel cannot write through: a ``tl.constexpr``, or a non-pointer in triton_meta."""
+    """A parameter the kernel cannot write through: a ``tl.constexpr``, or a scalar type in triton_meta.
+
+    Only known scalar types count: a tensor descriptor (TMA) or a type this
+    module has not seen is analysed like a pointer.
+    """
     annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
     if annotation.endswith("constexpr"):
         return True
-    kind = types.get(arg.arg)
-    return kind is not None and not kind.startswith("*")
+    return types.get(arg.arg) in _TRITON_SCALARS
 
 
 @dataclass

@@ -115,6 +115,13 @@ def test_triton_scalars_are_not_written_but_unknown_parameters_are():
     assert "ks0" in _triton_signature(bare).written
 
 
+def test_triton_tensor_descriptors_are_not_scalars():
+    # a host-side TMA descriptor is not a pointer type, but the kernel stores through it
+    src = KERNEL.format(signature="'in_ptr0': '*fp32', 'out_desc': 'tensordesc<fp32[16, 16]>', 'xnumel': 'i32'",
+                        params="in_ptr0, out_desc", body="    out_desc.store([0, 0], tl.load(in_ptr0 + xindex))")
+    assert _triton_signature(src).written == {"out_desc"}
+
+
 @pytest.mark.parametrize("ctype, is_written", [
     ("const float*", False), ("float const*", False), ("const int64_t*", False), ("const bfloat16* __restrict__", False),
     ("float*", True), ("float* const", True), ("int64_t*", True),
