@@ -11,9 +11,10 @@ For each model, precision and graph (forward, backward) this writes, under
 
     python -m experiments.capture_wrappers --device cuda --models googlenet inception_v3 resnet50 \
         --out tests/fixtures/wrappers
-    # the CPU sets of torch 2.13.0 and 2.14.1 (run once with each torch; a fresh TORCHINDUCTOR_CACHE_DIR,
-    # so that inductor's FX graph cache cannot skip the scheduler):
-    TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m experiments.capture_wrappers \
+    # the CPU sets of torch 2.13.0 and 2.14.1 (run once with each torch; one OpenMP thread, so the C++
+    # kernels have no parallel region; a fresh cache, so that no cache can skip the scheduler):
+    OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \
+        python -m experiments.capture_wrappers \
         --device cpu --models googlenet resnet50 branchy --batch 2 --no-compile-cpp --out tests/fixtures/wrappers
 
 ``--no-compile-cpp`` skips g++ (most of a CPU capture's time): the C++
@@ -213,12 +214,16 @@ def capture(model_name: str, make, size: int, precision: str, device: str, out: 
         model = model.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
     compiled = torch.compile(model, backend=backend)
+    import torch._inductor.config as inductor_config
+
     try:
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16_cl"):
-            out_ = compiled(x)
-            logits = out_[0] if isinstance(out_, tuple) else out_
-            loss = nn.functional.cross_entropy(logits.float(), y)
-        loss.backward()
+        # a graph served from inductor's FX graph cache never reaches the scheduler, and would have no oracle
+        with inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16_cl"):
+                out_ = compiled(x)
+                logits = out_[0] if isinstance(out_, tuple) else out_
+                loss = nn.functional.cross_entropy(logits.float(), y)
+            loss.backward()  # compiles the backward graph
     finally:
         from torch._inductor import scheduler as sched
         sched.Scheduler.codegen = original
@@ -227,6 +232,10 @@ def capture(model_name: str, make, size: int, precision: str, device: str, out: 
         torch._dynamo.reset()
     written = []
     tag = f"torch{torch.__version__.split('+')[0]}-{device}"
+    empty = [i for i, (_, _, oracle) in enumerate(graphs) if not oracle["scheduler"]]
+    if empty:
+        raise RuntimeError(f"graphs {empty} were compiled without running inductor's scheduler (a cache hit?): "
+                           "no oracle to save; run with a fresh TORCHINDUCTOR_CACHE_DIR")
     for i, (is_backward, source, oracle) in enumerate(graphs):
         name = f"{model_name}_{precision}_{'bwd' if is_backward else 'fwd'}" + (f"{i}" if len(graphs) > 2 else "")
         d = out / tag / name
