@@ -49,15 +49,13 @@ class BackendOptions:
     # A graph whose schedule predicts less than this gain over one stream, with kernels sharing the
     # device (schedulers.simulate_shared), keeps inductor's own call.
     min_predicted_speedup: float = DEFAULT_MIN_PREDICTED_SPEEDUP
-    # With streams > 1: whether inductor may put a new buffer in a dead one's memory.
-    # Each reuse orders the new buffer's writer after every reader of the old one, which chains
-    # independent branches: an 8-branch net's planned forward goes from ideal 1.24x to 2.25x
-    # without reuse, its backward from 1.04x to 3.09x. On the H100 (2026-11-23, each paired with
-    # compile + graph in one process) no reuse gave 1.00-1.94x where reuse gave 0.97-1.22x on the
-    # same 10 configurations, never slower, at 1.02-1.12x compile + graph's peak memory. It stays
-    # on by default until the 50-step GPU training test and the sanitizer have run without it:
-    # without reuse more kernels overlap, which is what those tests exist to check.
-    buffer_reuse: bool = True
+    # With streams > 1: whether inductor may put a new buffer in a dead one's memory. Off by
+    # default: each reuse orders the new buffer's writer after every reader of the old one, which
+    # chains independent branches (an 8-branch net's planned backward: ideal 1.04x with reuse,
+    # 3.09x without). Without reuse the fused path was never slower on the H100 and cost
+    # 1.02-1.12x compile + graph's peak memory (experiments/RESULTS.md); True trades that
+    # concurrency for inductor's memory footprint. streams=1 keeps inductor's own setting.
+    buffer_reuse: bool = False
     # "wrapper": inductor compiles each graph whole and concur rewrites its generated call
     # (concur.kernel_streams). "inductor_streams": concur stamps its schedule onto the post-grad
     # aten graph and inductor emits the streams and events itself (concur.inductor_streams;
@@ -241,7 +239,7 @@ def _code(node: ast.stmt) -> str:
 
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
-            min_predicted_speedup: float | None = None, buffer_reuse: bool = True,
+            min_predicted_speedup: float | None = None, buffer_reuse: bool = False,
             route: str = "wrapper") -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
@@ -255,10 +253,11 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     one stream (kernels sharing the device) runs on one stream, exactly as
     ``torch.compile`` would; None takes :data:`DEFAULT_MIN_PREDICTED_SPEEDUP`.
 
-    ``buffer_reuse=False`` (with several streams; measured faster, not yet the
-    default) stops inductor from placing new buffers in dead ones, whose
-    reuse chains independent branches: a little more memory, much more
-    concurrency (README, "Streams on top of fusion").
+    ``buffer_reuse=False`` (the default; it applies to graphs put on several
+    streams) stops inductor from placing new buffers in dead ones, whose
+    reuse chains independent branches: 1.02-1.12x the peak memory of
+    ``torch.compile`` on the H100, for much more concurrency. ``True``
+    keeps inductor's reuse.
 
     ``route="inductor_streams"`` (torch >= 2.13; tested on CPU, not measured
     on a GPU) stamps the schedule onto the post-grad graph and lets inductor

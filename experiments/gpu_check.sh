@@ -10,6 +10,10 @@
 #                  Inception-v3, ResNet-50, timm hrnet_w18_small and dla34; buffer reuse on and off) in
 #                  its own process, all side by side; logs in $OUT/fused_all/, one line each in
 #                  $OUT/fused_all.txt (PASS, FAIL, SKIP or TIMEOUT). CONCUR_GPU_STEPS (default 30 here)
+#   final          in parallel processes: the train_step habits (tests/test_gpu_train_habits.py), tests/test_gpu.py,
+#                  the tuner and DDP tests, the fused sanitizer runs (5 models, reuse on and off) and
+#                  examples/train.py with graphs (2 epochs, then resumed for the third); one line each in
+#                  $OUT/final.txt, logs packed in $OUT/final_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
 #                  greps its source and packs torch/_inductor's top-level modules to $OUT/inductor_src.tgz
 #   capture-wrappers  golden wrappers + scheduler oracle (experiments/capture_wrappers.py), 6 in parallel,
@@ -59,6 +63,25 @@ for step in "$@"; do
                elif grep -q " skipped" "$log"; then r=SKIP; else r=TIMEOUT; fi
                echo "$r $(basename "$log" .log) $(grep -h "first update error\|sanitized run finished" "$log" | tail -1)"
              done | sort | tee "$OUT/fused_all.txt" ;;
+    final) d=/tmp/final_logs; rm -rf $d; mkdir -p $d; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
+             t() { name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 timeout -k 5 $left "$@" > "$d/$name.log" 2>&1;
+                                    echo "rc=$?" >> "$d/$name.log") & }
+             t habits_branchy python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py -k branchy
+             t habits_googlenet python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py -k googlenet
+             t gpu_train_step python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k train_step
+             t gpu_other python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k "not train_step"
+             t tuner_ddp python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_tuner.py tests/test_gpu_ddp.py
+             for id in $(python3 -m pytest -m cuda -q --collect-only -p no:cacheprovider tests/test_gpu_backend.py \
+                           -k sanitizer 2>/dev/null | grep "::"); do
+               t "csan_$(echo "${id#*::}" | tr -c 'A-Za-z0-9_.\n-' '_')" python3 -m pytest -m cuda -q -s -p no:cacheprovider "$id"
+             done
+             t example bash -c "python3 examples/train.py --epochs 3 --stop-after 2 --checkpoint /tmp/ckpt.pt &&
+                                python3 examples/train.py --epochs 3 --checkpoint /tmp/ckpt.pt --resume /tmp/ckpt.pt"
+             wait
+             for log in $d/*.log; do
+               echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|error\|sanitized run finished\|epoch" "$log" | tail -3 | tr '\n' ' ' | cut -c1-400)"
+             done | sort | tee "$OUT/final.txt"
+             tar czf "$OUT/final_logs.tgz" -C $d . ;;
     probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
              grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
                "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20

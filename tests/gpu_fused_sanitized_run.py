@@ -16,6 +16,7 @@ import torch
 
 import concur
 from concur._torch_compat import cuda_sanitizer
+from concur.runtime import StreamRuntime
 from tests.gpu_fused_models import FUSED_MODELS
 from tests.test_gpu import _loss
 
@@ -27,23 +28,45 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     a = p.parse_args()
     make, size, batch = FUSED_MODELS[a.model]
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    model = make().cuda().train().to(memory_format=cl)
+    x = torch.randn(batch, 3, size, size, device="cuda").to(memory_format=cl)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step = concur.train_step(model, _loss, opt, (x, y), streams=4, cuda_graph=False, compile=True,
+                             compile_options={"min_predicted_speedup": 1.0,
+                                              "buffer_reuse": not a.no_buffer_reuse})
+    # Dynamo does not compile a frame while a dispatch mode such as the sanitizer is active (it would
+    # run eagerly, on one stream, and the sanitizer would see no streams): compile on a first step,
+    # then run the cached fused code under the sanitizer.
+    step(x, y)
+    torch.cuda.synchronize()
+    graphs = [g for b in step.backends.values() for g in b.graphs]
+    streams = [g.num_streams for g in graphs]
+    if not streams or max(streams) < 2:
+        raise SystemExit(f"the fused graphs use no side stream ({streams}): the sanitizer would check nothing")
+    forks = [0]
+    fork = StreamRuntime.fork
+
+    def counted_fork(self, *args):
+        forks[0] += 1
+        return fork(self, *args)
+
+    StreamRuntime.fork = counted_fork  # each placed graph forks its side streams once per call
     with cuda_sanitizer():
-        torch.manual_seed(0)
-        cl = torch.channels_last
-        model = make().cuda().train().to(memory_format=cl)
-        x = torch.randn(batch, 3, size, size, device="cuda").to(memory_format=cl)
-        y = torch.randint(0, 1000, (batch,), device="cuda")
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        step = concur.train_step(model, _loss, opt, (x, y), streams=4, cuda_graph=False, compile=True,
-                                 compile_options={"min_predicted_speedup": 1.0,
-                                                  "buffer_reuse": not a.no_buffer_reuse})
         for _ in range(a.steps):
             loss = step(torch.randn_like(x), y)
         torch.cuda.synchronize()
-    graphs = [g for b in step.backends.values() for g in b.graphs]
-    print(f"sanitized run finished, loss {loss.item():.4f}, streams {[g.num_streams for g in graphs]}, "
+    if forks[0] == 0:
+        raise SystemExit("no placed graph ran under the sanitizer (the steps ran without concur's streams)")
+    after = [g for b in step.backends.values() for g in b.graphs]
+    if len(after) != len(graphs):
+        raise SystemExit(f"the steps under the sanitizer compiled again ({len(graphs)} -> {len(after)} graphs): "
+                         "they did not run the fused code checked above")
+    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}, "
+          f"placed graphs run {forks[0]}, "
           f"fallbacks {[g.fallback_reason for g in graphs if g.fallback_reason]}")
-
 
 if __name__ == "__main__":
     main()
