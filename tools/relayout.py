@@ -26,7 +26,9 @@ What it does, in order, and only after every precondition holds:
    layout as it now is (jobs taken from the old table, else from each module's docstring);
 6. verifies: every module imports (in a fresh interpreter, from this tree, not an installed
    copy), ``concur.api._rebuild`` and the ``torch_dynamo_backends`` entry point load,
-   ``concur.backend`` is still the function, no leftover old module name, and the import graph
+   ``concur.backend`` is still the function, no leftover old module name, every ``concur`` import
+   in the rewritten files names an existing module and name (read statically, so experiments and
+   GPU-only scripts are covered), no string in concur/ names a file that is gone, and the import graph
    (built with ``ast`` from the rewritten sources, lazy imports included) has no cycle and no
    import running up the layers (``LAYERS``) other than the known one, which it reports.
 
@@ -379,6 +381,52 @@ def import_graph(root: Path) -> dict[str, dict[str, list[tuple[int, bool]]]]:
     return graph
 
 
+def _top_level_names(path: Path) -> set[str] | None:
+    """Names a module binds at its top level (None if it star-imports: anything goes)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                if a.name == "*":
+                    return None
+                names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def unresolved_imports(root: Path, files: list[Path]) -> list[str]:
+    """``from concur.x import y`` / ``import concur.x`` in these files that name no module or name."""
+    def module_file(dotted: str) -> Path | None:
+        base = root / dotted.replace(".", "/")
+        return base / "__init__.py" if (base / "__init__.py").exists() else \
+            base.with_suffix(".py") if base.with_suffix(".py").exists() else None
+
+    cache: dict[Path, set[str] | None] = {}
+    bad = []
+    for p in files:
+        if p.suffix != ".py":
+            continue
+        rel = p.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                bad += [f"{rel}:{node.lineno}: import {a.name}" for a in node.names
+                        if a.name.split(".")[0] == "concur" and module_file(a.name) is None]
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "concur":
+                target = module_file(node.module)
+                if target is None:
+                    bad.append(f"{rel}:{node.lineno}: from {node.module} import ...: no such module")
+                    continue
+                defined = cache.setdefault(target, _top_level_names(target))
+                for a in node.names:
+                    if a.name != "*" and defined is not None and a.name not in defined and \
+                            module_file(f"{node.module}.{a.name}") is None:
+                        bad.append(f"{rel}:{node.lineno}: from {node.module} import {a.name}: not defined there")
+    return bad
+
+
 def cycles(graph: dict[str, dict]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan), sorted."""
     index: dict[str, int] = {}
@@ -725,6 +773,13 @@ def verify(root: Path, quick_tests: bool) -> bool:
         print("    known (issue 21; the tuner should take a step factory): " + b)
     cyc_known = all(set(c) <= {m for e in KNOWN_UPWARD for m in e} for c in found)
     ok &= not new_bad and cyc_known
+
+    unresolved = unresolved_imports(root, text_files(root))
+    print(f"[verify] imports of concur in concur/, tests/, experiments/, examples/, docs/ that resolve to nothing "
+          f"(read statically): {len(unresolved) or 'none'}")
+    for line in unresolved:
+        print("    " + line)
+    ok &= not unresolved
 
     dangling = []
     for p in sorted((root / "concur").rglob("*.py")):
