@@ -37,9 +37,16 @@ def main() -> None:
     step = concur.train_step(model, _loss, opt, (x, y), streams=4, cuda_graph=False, compile=True,
                              compile_options={"min_predicted_speedup": 1.0,
                                               "buffer_reuse": not a.no_buffer_reuse})
-    # Dynamo does not compile a frame while a dispatch mode such as the sanitizer is active (it would
-    # run eagerly, on one stream, and the sanitizer would see no streams): compile on a first step,
-    # then run the cached fused code under the sanitizer.
+    # Dynamo neither compiles nor runs compiled code while a dispatch mode such as the sanitizer is
+    # active (the steps would run eagerly, on one stream): the sanitizer's mode is declared to
+    # ignore compile internals, so dynamo runs the fused code and the sanitizer sees the aten
+    # launches and stream events it issues (not triton's kernels, which it cannot see). The first
+    # step compiles outside the sanitizer.
+    from torch.cuda import _sanitizer
+    from torch.utils._python_dispatch import TorchDispatchMode
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        raise SystemExit(f"torch {torch.__version__} cannot run compiled code under the sanitizer")
+    _sanitizer.CUDASanitizerDispatchMode.ignore_compile_internals = classmethod(lambda cls: True)
     step(x, y)
     torch.cuda.synchronize()
     graphs = [g for b in step.backends.values() for g in b.graphs]
