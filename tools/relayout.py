@@ -186,8 +186,8 @@ def _offset(lines: list[str], lineno: int, byte_col: int) -> int:
 
 
 def _package_of(rel: str) -> list[str]:
-    parts = rel[:-3].split("/")
-    return parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    """The package a file's relative imports start from: concur/x.py and concur/__init__.py -> [concur]."""
+    return rel[:-3].split("/")[:-1]
 
 
 def absolutize(text: str, rel: str) -> str:
