@@ -214,6 +214,8 @@ class TrainStep:
                  grad_scaler: "torch.amp.GradScaler | None" = None,
                  compile_options: dict[str, Any] | None = None,
                  accumulate: int = 1, before_step: BeforeStep | None = None):
+        self._arguments = (model, loss_fn, optimizer, example_batch, streams, cuda_graph, scheduler, max_graphs,
+                           warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step)
         inputs, _ = example_batch
         self.compile_options = dict(compile_options or {})
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
@@ -267,6 +269,21 @@ class TrainStep:
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.eager_keys: set[tuple] = set()
         self._warned: set[str] = set()
+
+    def __getstate__(self) -> dict:
+        """What a saved step keeps: its arguments (model, optimizer, ...) and its place in the accumulation cycle.
+
+        Captured graphs, compiled modules, streams and device-side hyperparameters belong to one
+        process and device, and none of them can be pickled; a loaded step builds them again from
+        its arguments, as a new ``train_step`` would (its first call captures).
+        """
+        return {"arguments": self._arguments, "micro": self.micro}
+
+    def __setstate__(self, state: dict) -> None:
+        with warnings.catch_warnings():  # the saved step warned about its setup already
+            warnings.simplefilter("ignore")
+            self.__init__(*state["arguments"])
+        self.micro = state["micro"]
 
     @property
     def module(self) -> nn.Module:

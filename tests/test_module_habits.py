@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 import pickle
 
 import pytest
@@ -294,3 +295,23 @@ def test_torch_save_of_a_train_step_resumes_the_same_run():
         torch.testing.assert_close(resumed(x, y), loss, **TOL)
     for p, q in zip(model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(q, p, **TOL)
+
+
+def test_a_saved_train_step_keeps_no_graphs_or_compiled_code_and_keeps_its_accumulation_cycle():
+    """A loaded step rebuilds what belongs to one process (CUDA graphs, compiled modules, streams).
+
+    Planted fault: default pickling of a TrainStep copies its graphs and runner, which fails on CUDA
+    (``CUDAGraph`` cannot be pickled); here a stand-in unpicklable object in ``graphs`` shows it.
+    """
+    torch.manual_seed(0)
+    model = RootDropout()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    step = concur.train_step(model, nn.MSELoss(), optimizer, (x, y), streams=2, cuda_graph=False, accumulate=2)
+    step(x, y)
+    step.graphs[("planted",)] = threading.Lock()  # like a CUDAGraph: cannot be pickled
+    buffer = io.BytesIO()
+    torch.save(step, buffer)
+    buffer.seek(0)
+    resumed = torch.load(buffer, weights_only=False)
+    assert not resumed.graphs and resumed.micro == step.micro == 1
