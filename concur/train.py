@@ -641,7 +641,7 @@ def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.op
         from .tuner import tune_train_step
 
         kwargs = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
-        chosen = tune_train_step(model, loss_fn, optimizer, example_batch, **kwargs).config
+        chosen = tune_train_step(model, loss_fn, optimizer, example_batch, make_step=train_step, **kwargs).config
         return chosen.streams, chosen.scheduler, cuda_graph and chosen.cuda_graph
     return _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler), scheduler, cuda_graph
 

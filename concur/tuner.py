@@ -278,7 +278,8 @@ def _repeats_for(step_s: float, target_s: float = 0.4) -> int:
 
 
 def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch: tuple, *,
-                    schedulers: Sequence[str] = ("critical_path", "fork"), max_streams: int = 8,
+                    make_step: Callable[..., Any], schedulers: Sequence[str] = ("critical_path", "fork"),
+                    max_streams: int = 8,
                     budget_s: float = 20.0, cache_dir: Any = None, use_cache: bool = True,
                     compile: bool = False, progress: bool = True, probe_utilization: bool = True,
                     timer: Timer | None = None, **train_step_kwargs: Any) -> TuneResult:
@@ -289,14 +290,16 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     caller's model, optimizer state and RNG state are left as they were.
     Without CUDA there is nothing to time; it returns 1 stream unmeasured
     unless a ``timer`` is given (tests). ``timer(fn, warmup, repeats)``
-    returns (median_ms, iqr_ms); the default is CUDA events.
+    returns (median_ms, iqr_ms); the default is CUDA events. ``make_step`` builds
+    each trial's step with :func:`concur.train_step`'s signature (pass
+    ``concur.train_step``): the tuner measures steps, it does not define them,
+    so it does not import the training runtime that calls it.
     """
     import torch
 
     from .annotate import tensors_in
     from .monitor import nvml_index
     from .plan import device_name
-    from .train import train_step
 
     inputs, targets = example_batch
     device = device_name(model, inputs if isinstance(inputs, tuple) else (inputs,))
@@ -321,8 +324,8 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
         m, opt = copy.deepcopy((model, optimizer))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step = train_step(m, loss_fn, opt, example_batch, streams=config.streams,
-                              cuda_graph=config.cuda_graph, scheduler=config.scheduler, **train_step_kwargs)
+            step = make_step(m, loss_fn, opt, example_batch, streams=config.streams,
+                             cuda_graph=config.cuda_graph, scheduler=config.scheduler, **train_step_kwargs)
             step(inputs, targets)  # captures the graph
             sync()
         notes = list(dict.fromkeys(str(w.message).splitlines()[0][:200] for w in caught))

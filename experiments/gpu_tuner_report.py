@@ -204,11 +204,13 @@ def run_case(writer: RunWriter, spec: str, sweep: list[int], args: argparse.Name
     try:
         _free()
         timer = None if Device.on_cuda() else Device.time_ms  # CPU smoke only: CUDA events otherwise
-        tuned = tune_train_step(model, runner.loss_fn, opt, (runner.x, runner.y), budget_s=args.budget_s,
+        tuned = tune_train_step(model, runner.loss_fn, opt, (runner.x, runner.y), make_step=concur.train_step,
+                                budget_s=args.budget_s,
                                 cache_dir=cache_dir, progress=True, timer=timer)
         case.tuner = tuned.to_dict()
         t0 = time.monotonic()
-        again = tune_train_step(model, runner.loss_fn, opt, (runner.x, runner.y), budget_s=args.budget_s,
+        again = tune_train_step(model, runner.loss_fn, opt, (runner.x, runner.y), make_step=concur.train_step,
+                                budget_s=args.budget_s,
                                 cache_dir=cache_dir, progress=False, timer=timer)
         result.update(tuner_s=tuned.seconds, cache_hit=again.from_cache and again.config == tuned.config,
                       cache_hit_s=time.monotonic() - t0, stopped=tuned.stopped, lever=tuned.lever,

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
+import concur
 from concur.tuner import tune_train_step
 from tests.conftest import requires_cuda
 
@@ -34,7 +35,7 @@ def test_tuner_on_googlenet_b8_is_never_slower_than_serial_leaves_the_model_alon
     before = copy.deepcopy((model.state_dict(), opt.state_dict()))
     rng = torch.cuda.get_rng_state()
 
-    result = tune_train_step(model, loss_fn, opt, (x, y), cache_dir=tmp_path, budget_s=20, progress=True)
+    result = tune_train_step(model, loss_fn, opt, (x, y), make_step=concur.train_step, cache_dir=tmp_path, budget_s=20, progress=True)
     print(f"\nchose {result.config.label}: {result.measurement} vs serial {result.baseline}; {result.stopped}; "
           f"lever {result.lever} (eager utilization {result.eager_utilization}); {result.seconds:.1f} s")
     assert result.baseline is not None and result.measurement is not None
@@ -51,7 +52,7 @@ def test_tuner_on_googlenet_b8_is_never_slower_than_serial_leaves_the_model_alon
         assert torch.equal(s["momentum_buffer"], after[1]["state"][p]["momentum_buffer"])
     assert torch.equal(rng, torch.cuda.get_rng_state())
 
-    again = tune_train_step(model, loss_fn, opt, (x, y), cache_dir=tmp_path, budget_s=20, progress=False)
+    again = tune_train_step(model, loss_fn, opt, (x, y), make_step=concur.train_step, cache_dir=tmp_path, budget_s=20, progress=False)
     assert again.from_cache and again.config == result.config
 
 

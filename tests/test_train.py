@@ -156,7 +156,7 @@ def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
     got = train_mod._auto_configuration(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                                         (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)),
                                         "critical_path", True, False, torch.bfloat16)
-    assert got == (3, "fork", False) and seen == {"amp_dtype": torch.bfloat16}
+    assert got == (3, "fork", False) and seen == {"amp_dtype": torch.bfloat16, "make_step": concur.train_step}
 
 
 def test_compile_options_reach_the_backend_and_need_compile():

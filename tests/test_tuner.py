@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import concur
 from concur import tuner
 from concur.tuner import Config, Measurement, TuneResult, TunerCache, beats, cache_key, clear_cache, tune
 from tests.fixtures.fake_nvml import FakeClock
@@ -215,7 +216,8 @@ def test_cache_key_follows_structure_shapes_dtype_device_and_torch_not_values():
 def test_tune_train_step_without_cuda_or_timer_keeps_one_stream_unmeasured():
     model = WideNet(branches=3)
     result = tuner.tune_train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                                   (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))), progress=False)
+                                   (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))), make_step=concur.train_step,
+                                   progress=False)
     assert result.config == Config(1) and result.measurement is None and "no CUDA" in result.stopped
 
 
@@ -248,7 +250,7 @@ def test_tune_train_step_trains_copies_and_leaves_model_optimizer_and_rng_alone(
         return next(times), 0.01
 
     kw = dict(schedulers=("critical_path", "fork"), max_streams=4, cache_dir=tmp_path, progress=False,
-              timer=timer)
+              timer=timer, make_step=concur.train_step)
     result = tuner.tune_train_step(model, loss_fn, opt, (x, y), **kw)
     assert [t.config for t in result.trials] == [Config(1), Config(2), Config(3), Config(2, "fork")]
     assert result.config == Config(2) and len(calls) == 4 and all(10 <= r <= 50 for r in calls)
