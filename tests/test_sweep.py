@@ -171,11 +171,11 @@ def test_fused_rows_record_what_the_backend_made_of_each_graph():
     model = BranchyNet(branches=4, width=8, blocks=1)
     x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
     step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                             (x, y), streams=1, compile=True, compile_options={"segment_compiler": "eager"})
+                             (x, y), streams=1, compile=True)
     step(x, y)
     graphs = sweep.compiled_graphs(step)
-    assert [(g["backward"], g["segments"], g["streams"], g["fallback"]) for g in graphs] == \
-        [(False, 1, 1, None), (True, 1, 1, None)]
+    assert [(g["backward"], g["strategy"], g["streams"], g["waits"], g["fallback"]) for g in graphs] == \
+        [(False, "kernels", 1, 0, None), (True, "kernels", 1, 0, None)]
 
 
 def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
