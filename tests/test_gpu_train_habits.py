@@ -198,3 +198,29 @@ def test_googlenet_fp32_habits_within_the_plain_loops_envelope(name):
     pr = torch.cat([q.detach().flatten() for q in ref.parameters()])
     pt = torch.cat([q.detach().flatten() for q in twin.parameters()])
     assert (p - pr).norm() <= 4 * (pt - pr).norm() + 1e-5 * pr.norm()
+
+
+def test_a_saved_graph_step_resumes_the_same_run_in_float64():
+    """``torch.save`` of a step that holds CUDA graphs; the loaded step captures again and continues the run.
+
+    Fails before ``TrainStep.__getstate__`` (default pickling reaches the ``CUDAGraph`` objects).
+    """
+    torch.manual_seed(0)
+    model = WideNet(branches=4).cuda().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(4, 3, 16, 16, device="cuda", dtype=torch.float64, generator=g),
+                torch.randint(0, 10, (4,), device="cuda", generator=g)) for _ in range(6)]
+    step = concur.train_step(model, nn.functional.cross_entropy, opt, batches[0], streams=4)
+    for x, y in batches[:3]:
+        step(x, y)
+    assert step.graphs, "the step must hold captured graphs before the save"
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "concur_saved_step.pt")
+    torch.save(step, path)
+    resumed = torch.load(path, weights_only=False)
+    expected = [step(x, y).item() for x, y in batches[3:]]
+    got = [resumed(x, y).item() for x, y in batches[3:]]
+    assert resumed.graphs, "the loaded step must capture graphs of its own"
+    assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-9, (got, expected)
+    for p, q in zip(step.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-9)
