@@ -1,10 +1,10 @@
 """concur: run the independent operations of branchy PyTorch networks concurrently on CUDA streams."""
 
-from . import _torch_compat
-from .api import ConcurModule, Inspection, inspect, optimize
-from .backend import backend, concur_backend
-from .errors import CaptureError, ConcurError, ExampleInputError, PlanError
-from .train import TrainStep, train_step
+from concur import _torch_compat
+from concur.backend import backend, concur_backend
+from concur.errors import CaptureError, ConcurError, ExampleInputError, PlanError
+from concur.fx.module import ConcurModule, Inspection, inspect, optimize
+from concur.training.step import TrainStep, train_step
 
 _torch_compat.register_dynamo_backend("concur", concur_backend)
 

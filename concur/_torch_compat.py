@@ -234,7 +234,7 @@ def has_symbolic_shapes(example_inputs: list) -> bool:
     return False
 
 
-# --- inductor's own streams (torch >= 2.13), used by concur.inductor_streams ------------------
+# --- inductor's own streams (torch >= 2.13), used by concur.inductor.stamp ------------------
 # torch 2.11 has none of it (only make_fallback of streams::record_event/wait_event); 2.13.0 and
 # 2.14.1 have all of it. Each accessor checks the attributes it uses, not just the version.
 
@@ -397,7 +397,7 @@ def inductor_source_name(node: torch.fx.Node) -> str:
     return name if isinstance(name, str) else node.name
 
 
-# --- GradScaler and fused optimizers, used by concur.train -----------------------------------
+# --- GradScaler and fused optimizers, used by concur.training.step -----------------------------------
 
 
 def grad_scaler_tensors(scaler: "torch.amp.GradScaler") -> tuple[torch.Tensor | None, torch.Tensor | None]:

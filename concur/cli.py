@@ -17,11 +17,11 @@ import torch
 
 import schedulers
 
-from . import api
-from .cost import ROOFLINES, AnalyticCost, describe, roofline_for
-from .errors import CaptureError, ConcurError, PlanError
-from .timing import time_cuda_ms
-from .zoo import ModelSpecError, ZooModel, load
+from concur.dag.cost import ROOFLINES, AnalyticCost, describe, roofline_for
+from concur.errors import CaptureError, ConcurError, PlanError
+from concur.fx import module as api
+from concur.observe.timing import time_cuda_ms
+from concur.zoo import ModelSpecError, ZooModel, load
 
 USAGE_ERROR = 2  # argparse's own exit code for a bad command line
 AUTO = "auto"
@@ -142,7 +142,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"{grad_err:.2e} (same plan on one stream: {reorder_err:.2e}) -> {'OK' if ok else 'MISMATCH'}")
     if device == "cuda":
         torch.backends.cudnn.allow_tf32 = True
-        from .train import train_step
+        from concur.training.step import train_step
 
         y = torch.randint(0, 1000, (args.batch_size,), device=device)
         loss_fn = torch.nn.CrossEntropyLoss()
@@ -157,7 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from concur.observe.report import write_report
 
     if not (Path(args.run_dir) / "run.json").is_file():
         raise UsageError(f"{args.run_dir} holds no run.json: pass the directory an experiment wrote "
@@ -168,7 +168,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .tune_cache import TunerCache
+    from concur.observe.tune_cache import TunerCache
 
     cache = TunerCache(args.dir)
     if args.action == "clear":

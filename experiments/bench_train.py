@@ -25,8 +25,8 @@ import torch.nn as nn
 import torchvision
 
 import concur
-from concur.monitor import driver_version
-from concur.timing import time_cuda_ms
+from concur.observe.monitor import driver_version
+from concur.observe.timing import time_cuda_ms
 
 MODELS = {
     "googlenet": (lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False), 224),

@@ -9,7 +9,7 @@ fp32, SGD with momentum, cross entropy), in one process:
 1. eager loop, serial CUDA graph and fixed stream counts (default 1 2 3 4 6 8,
    critical-path scheduler), each a deep copy of one model, timed with CUDA
    events (median and IQR of 20 steps), peak memory beside it;
-2. the tuner (``concur.tuner.tune_train_step``, what ``streams="auto"`` runs)
+2. the tuner (``concur.observe.tuner.tune_train_step``, what ``streams="auto"`` runs)
    with a fresh cache under OUT; its choice re-timed like the sweep, and the
    verdict: within 5% of the best fixed count? Then a second call, which
    must come from the cache;
@@ -44,12 +44,12 @@ import torch.nn as nn
 import torchvision
 
 import concur
-from concur.monitor import Monitor, driver_version
-from concur.profile_trace import parse_trace, profile_steps
-from concur.report import write_report
-from concur.rundir import Case, RunWriter, Variant
-from concur.timing import time_cuda_ms, time_wall_ms
-from concur.tuner import Config, tune_train_step
+from concur.observe.monitor import Monitor, driver_version
+from concur.observe.profile_trace import parse_trace, profile_steps
+from concur.observe.report import write_report
+from concur.observe.rundir import Case, RunWriter, Variant
+from concur.observe.timing import time_cuda_ms, time_wall_ms
+from concur.observe.tuner import Config, tune_train_step
 
 MODELS = {
     "googlenet": (lambda: torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False), 224),

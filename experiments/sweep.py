@@ -104,7 +104,7 @@ def run_meta() -> dict:
     import torch
 
     import concur
-    from concur.monitor import driver_version
+    from concur.observe.monitor import driver_version
 
     cuda = torch.cuda.is_available()
     return dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if cuda else "cpu",
@@ -137,7 +137,7 @@ def node_times_from_trace(events: list[dict]) -> tuple[dict[str, float], set[str
     the runtime call that launched it (linked by ``correlation``), so kernels
     that run later, asynchronously, are still charged to the right node.
     """
-    from concur.profile_trace import GPU_CATEGORIES, LAUNCH_CATEGORIES
+    from concur.observe.profile_trace import GPU_CATEGORIES, LAUNCH_CATEGORIES
 
     ranges, launches, kernels = [], {}, []
     for e in events:
@@ -173,7 +173,7 @@ def critical_path_bound(trace_path: str | os.PathLike, plan: Any) -> CriticalPat
     Nodes that launched no kernel cost 0; nodes absent from the trace keep no
     cost either and are counted out of ``nodes_measured``.
     """
-    from concur.profile_trace import load_events
+    from concur.observe.profile_trace import load_events
     from schedulers.analysis import critical_path_length
 
     times, seen = node_times_from_trace(load_events(trace_path))
@@ -441,7 +441,7 @@ def run_interleaved(cfgs: list[dict]) -> list[dict]:
 
 def _time_in_turns(prepared: list[PreparedMode], cfg: dict) -> None:
     """Time the prepared modes in alternating rounds; each row gets its median, spread and utilization."""
-    from concur.timing import cuda_times_ms, median_and_iqr, wall_times_ms
+    from concur.observe.timing import cuda_times_ms, median_and_iqr, wall_times_ms
 
     rounds = max(1, cfg.get("rounds", 5))
     per_round = max(1, cfg.get("repeats", 30) // rounds)
@@ -464,7 +464,7 @@ def _under_nvml(row: dict, cfg: dict, fn: Callable[[], None], seconds: float,
     """Run ``first``, then step ``fn`` until ``seconds`` have passed, under NVML; record the utilization."""
     import torch
 
-    from concur.monitor import Monitor, nvml_index
+    from concur.observe.monitor import Monitor, nvml_index
 
     monitor = Monitor(nvml_index()).start()
     monitor.mark("timed steps")
@@ -483,7 +483,7 @@ def _under_nvml(row: dict, cfg: dict, fn: Callable[[], None], seconds: float,
 
 def _time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool) -> None:
     """Time ``fn`` (the median of repeats after a warm-up) and fill the row's time and utilization."""
-    from concur.timing import time_cuda_ms, time_wall_ms
+    from concur.observe.timing import time_cuda_ms, time_wall_ms
 
     warmup, repeats = cfg.get("warmup", 5), cfg.get("repeats", 30)
     if not cuda:
@@ -1112,8 +1112,8 @@ def plot_utilization_timelines(rows: list[dict], meta: dict, out: Path) -> list[
     """
     from dataclasses import replace
 
-    from concur.monitor import Mark, MonitorRecord
-    from concur.report import plot_utilization
+    from concur.observe.monitor import Mark, MonitorRecord
+    from concur.observe.report import plot_utilization
 
     paths = []
     saved = [r for r in rows if r.get("util_timeline") and Path(r["util_timeline"]).exists()]

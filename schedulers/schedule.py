@@ -408,7 +408,7 @@ def simulate_shared(dag: nx.DiGraph, schedule: Schedule) -> float:
     `simulate` lets every stream run at full speed, as if each kernel had the
     device to itself; on a GPU a kernel that fills the SMs leaves nothing to a
     kernel beside it. Here each node occupies a share of each device resource
-    while it runs (`node_shares`; `concur.cost` gives compute and memory
+    while it runs (`node_shares`; `concur.dag.cost` gives compute and memory
     bandwidth). While the running nodes' shares of some resource sum to S > 1,
     each progresses at rate 1/S (processor sharing on the busiest resource), so
     two kernels that each fill the device take as long together as one after

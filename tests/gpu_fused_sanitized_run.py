@@ -16,7 +16,7 @@ import torch
 
 import concur
 from concur._torch_compat import cuda_sanitizer
-from concur.runtime import StreamRuntime
+from concur.streams import StreamRuntime
 from tests.gpu_fused_models import FUSED_MODELS
 from tests.test_gpu import _loss
 

@@ -14,7 +14,7 @@ import torchvision
 
 import concur
 from concur._torch_compat import cuda_sanitizer
-from concur.runtime import StreamRuntime
+from concur.streams import StreamRuntime
 
 if "--plant-missing-wait" in sys.argv:
     StreamRuntime.wait = lambda self, event: None  # the planted bug CSAN must report

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from concur.annotate import RNG, annotate, statically_mutated_args
-from concur.capture import trace
-from concur.graph import operation_nodes
+from concur.dag.annotate import RNG, annotate, statically_mutated_args
+from concur.dag.hazards import operation_nodes
+from concur.fx.capture import trace
 
 
 class Mutations(nn.Module):

@@ -9,7 +9,7 @@ import torch
 import torchvision
 
 import concur
-from concur.graph import build_dag
+from concur.dag.hazards import build_dag
 from tests.conftest import compare_with_original
 from tests.models import SYNTHETIC, WideNet
 
@@ -147,7 +147,7 @@ def test_inspect_reports_width_critical_path_and_speedups():
 
 def test_inspect_predicts_less_from_branches_whose_kernels_fill_the_device():
     """On an H100 roofline, 8 branches of big convolutions gain less than 8 of small ones."""
-    from concur.cost import ROOFLINES, AnalyticCost
+    from concur.dag.cost import ROOFLINES, AnalyticCost
 
     h100 = AnalyticCost(ROOFLINES["h100"])
     small = concur.inspect(WideNet(branches=8, channels=4), (torch.randn(1, 3, 8, 8),), cost_model=h100)

@@ -1,7 +1,7 @@
 """Tests for the ``torch.compile`` backend (`concur.backend`) on CPU, through inductor itself.
 
 Inductor compiles each graph whole with its C++ CPU kernels, and concur
-places the launches of the generated ``call`` (:mod:`concur.kernel_streams`):
+places the launches of the generated ``call`` (:mod:`concur.inductor.wrapper_emit`):
 the path a GPU takes, minus the streams themselves (on the CPU the rewritten
 call runs its launches in the plan's order). Models are small, since
 inductor's CPU compile is slow. Every test checks results against the
@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import concur
-from concur.backend import CompiledGraphInfo, concur_backend
-from concur.cost import Roofline
+from concur.dag.cost import Roofline
+from concur.inductor.backend import CompiledGraphInfo, concur_backend
 from tests.conftest import assert_close_rel, flat_tensors
 from tests.models import BufferMutation, DropoutBranches, InplaceHazard, WideNet
 
@@ -242,7 +242,7 @@ def test_backend_is_found_through_its_entry_point_without_importing_concur():
             "print(fn.__module__, fn.__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["concur.backend", "concur_backend"]
+    assert out.stdout.split()[-2:] == ["concur.inductor.backend", "concur_backend"]
 
 
 # ---------------------------------------------------------------- fallbacks and errors

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import concur
 from concur import _torch_compat as compat
-from concur.cost import Roofline
+from concur.dag.cost import Roofline
 from tests.conftest import assert_close_rel, flat_tensors
 
 # A slow device without launch overhead: on these tiny graphs every launch outweighs an event, so

@@ -141,7 +141,7 @@ def test_timm_crossvit_traces_with_scale_image_kept_whole():
 def test_a_timm_without_a_known_registry_is_traced_plainly_with_one_warning(monkeypatch):
     import warnings
 
-    from concur import capture
+    from concur.fx import capture
 
     monkeypatch.setitem(sys.modules, "timm", types.ModuleType("timm"))
     for name in capture._TIMM_FX_REGISTRIES:

@@ -157,7 +157,7 @@ def test_demo_checks_against_the_original_and_catches_a_wrong_plan(capsys, monke
 
 
 def test_cache_lists_and_clears(tmp_path, capsys):
-    from concur.tune_cache import TunerCache
+    from concur.observe.tune_cache import TunerCache
 
     TunerCache(tmp_path).put("k1", {"streams": 2})
     assert main(["cache", "list", "--dir", str(tmp_path)]) == 0

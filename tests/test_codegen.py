@@ -1,4 +1,4 @@
-"""concur.codegen on a diamond: the generated forward issues the schedule's order, switches, records and waits."""
+"""concur.fx.codegen on a diamond: the generated forward issues the schedule's order, switches, records and waits."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 import schedulers
-from concur.codegen import allocation_streams, event_count, generate
-from concur.plan import analyse
+from concur.fx.codegen import allocation_streams, event_count, generate
+from concur.fx.plan import analyse
 
 
 class Diamond(nn.Module):
@@ -81,7 +81,7 @@ def test_views_live_on_the_stream_their_base_was_allocated_on():
 
 def test_the_generated_module_computes_what_the_model_does():
     model, x, traced, schedule = _diamond_on_two_streams()
-    from concur.runtime import StreamRuntime
+    from concur.streams import StreamRuntime
 
     traced._rt = StreamRuntime(schedule.num_streams, event_count(schedule))
     generated = fx.GraphModule(traced, generate(traced.graph, schedule, "_rt"))

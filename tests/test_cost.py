@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import concur
-import concur.cost
-from concur.annotate import NodeFacts
-from concur.cost import ROOFLINES, AnalyticCost, MeasuredCost, Roofline, assign_costs, describe, resource_shares, \
+import concur.dag.cost
+from concur.dag.annotate import NodeFacts
+from concur.dag.cost import ROOFLINES, AnalyticCost, MeasuredCost, Roofline, assign_costs, describe, resource_shares, \
     roofline_for
 
 ROOF = Roofline("test", flops_per_us=1000.0, bytes_per_us=100.0, kernel_overhead_us=2.0)
@@ -60,7 +60,7 @@ def test_assign_costs_writes_cost_and_share_on_every_node():
 
 
 def test_describe_names_the_device_and_its_rates():
-    assert doctest.testmod(concur.cost).failed == 0
+    assert doctest.testmod(concur.dag.cost).failed == 0
     assert describe(AnalyticCost(ROOFLINES["cpu"])) == "cpu roofline (0.1 TFLOP/s, 0.02 TB/s, 5.0 us per kernel)"
     assert describe(MeasuredCost({"a": 1.0, "b": 2.0}, AnalyticCost(ROOFLINES["a100"]))) == \
         "measured times of 2 ops, the rest by a100 roofline (80 TFLOP/s, 1.6 TB/s, 2.5 us per kernel)"

@@ -1,4 +1,4 @@
-"""Golden wrappers: real inductor output, parsed by concur.kernel_program, checked against inductor's scheduler.
+"""Golden wrappers: real inductor output, parsed by concur.inductor.wrapper_parse, checked against inductor's scheduler.
 
 Each folder under ``tests/fixtures/wrappers/<torch>-<device>/`` holds one
 graph captured by ``experiments/capture_wrappers.py``: the wrapper module
@@ -48,8 +48,8 @@ from pathlib import Path
 
 import pytest
 
-from concur.annotate import RNG
-from concur.kernel_program import TESTED_TORCH_VERSIONS, WORLD, KernelProgram, Statement, parse_wrapper_source
+from concur.dag.annotate import RNG
+from concur.inductor.wrapper_parse import TESTED_TORCH_VERSIONS, WORLD, KernelProgram, Statement, parse_wrapper_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wrappers"
 GRAPHS = sorted(p.parent for p in FIXTURES.glob("*/*/wrapper.py.gz"))
@@ -198,7 +198,7 @@ def test_no_write_or_read_of_the_scheduler_is_missing(path):
 
 def test_the_oracle_check_catches_a_parser_that_drops_a_write(monkeypatch):
     """A parser that forgot ``in_out_ptr`` writes (fused in-place kernels) must fail the golden check."""
-    import concur.kernel_program as kp
+    import concur.inductor.wrapper_parse as kp
 
     real = kp._triton_signature
 

@@ -15,7 +15,7 @@ import torch.nn as nn  # noqa: E402
 import torchvision  # noqa: E402
 
 import concur  # noqa: E402
-from concur.runtime import StreamRuntime  # noqa: E402
+from concur.streams import StreamRuntime  # noqa: E402
 from tests.amp_loop import amp_recipe_loop  # noqa: E402
 from tests.conftest import requires_cuda  # noqa: E402
 

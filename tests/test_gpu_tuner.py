@@ -11,7 +11,7 @@ import torch.nn as nn
 import torchvision
 
 import concur
-from concur.tuner import tune_train_step
+from concur.observe.tuner import tune_train_step
 from tests.conftest import requires_cuda
 
 pytestmark = [pytest.mark.cuda, requires_cuda]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 import concur
-import concur.graph
-from concur.annotate import RNG
-from concur.plan import analyse
+import concur.dag.hazards
+from concur.dag.annotate import RNG
+from concur.fx.plan import analyse
 from tests.models import BufferMutation, DropoutBranches, InplaceHazard, SharedBatchNorm, ViewAlias
 
 
@@ -69,7 +69,7 @@ def test_without_hazard_edges_the_plan_gives_wrong_results(monkeypatch):
     model = InplaceHazard()
     x = torch.randn(2, 3, 8, 8)
     expected = model(x.clone())
-    monkeypatch.setattr(concur.graph, "hazard_edges", lambda accesses: set())
+    monkeypatch.setattr(concur.dag.hazards, "hazard_edges", lambda accesses: set())
     broken = concur.optimize(model, (x,), streams=2)
     actual = broken(x.clone())
     assert not torch.allclose(actual, expected, rtol=1e-3)
@@ -80,8 +80,8 @@ def test_aten_step_counter_and_views_are_trivial_and_join_a_cluster_with_work():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import schedulers
-    from concur.aten_dag import build_aten_dag
-    from concur.cost import ROOFLINES
+    from concur.dag.cost import ROOFLINES
+    from concur.inductor.aten_dag import build_aten_dag
 
     def step(x, w, counter):
         bumped = counter + 1

@@ -20,11 +20,11 @@ import torch.fx as fx
 
 import concur
 from concur import _torch_compat as compat
-from concur import inductor_streams as istreams
-from concur.aten_dag import build_aten_dag
-from concur.cost import ROOFLINES
+from concur.dag.cost import ROOFLINES
+from concur.inductor import stamp as istreams
+from concur.inductor.aten_dag import build_aten_dag
 
-backend_module = importlib.import_module("concur.backend")
+backend_module = importlib.import_module("concur.inductor.backend")
 
 pytestmark = pytest.mark.skipif(not compat.has_inductor_node_streams(),
                                 reason="inductor node streams need torch >= 2.13")
@@ -338,7 +338,7 @@ from torch._inductor.compile_fx import compile_fx_inner
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from concur import inductor_streams as istreams
-from concur.cost import ROOFLINES
+from concur.dag.cost import ROOFLINES
 
 def mms(x, w1, w2, w3):
     return (x @ w1, x @ w2, x @ w3)

@@ -1,4 +1,4 @@
-"""Tests for reading inductor's wrapper (concur.kernel_program): what each launch may write, failing closed.
+"""Tests for reading inductor's wrapper (concur.inductor.wrapper_parse): what each launch may write, failing closed.
 
 What a kernel writes is established from the kernel itself: a triton
 pointer counts as read-only only when its body provably just loads through
@@ -18,9 +18,9 @@ import networkx as nx
 import pytest
 import torch
 
-from concur.kernel_program import (WORLD, _cpp_param_written, _triton_signature, kernel_signatures,
+from concur.inductor.wrapper_parse import (WORLD, _cpp_param_written, _triton_signature, kernel_signatures,
                                    parse_wrapper_source, source_namespace)
-from concur.kernel_streams import launch_dag
+from concur.inductor.wrapper_emit import launch_dag
 
 HANDMADE = Path(__file__).parent / "fixtures" / "wrappers" / "handmade"
 

@@ -1,4 +1,4 @@
-"""Tests for placing inductor's kernels on streams after fusion (concur.kernel_program, concur.kernel_streams).
+"""Tests for placing inductor's kernels on streams after fusion (concur.inductor.wrapper_parse, concur.inductor.wrapper_emit).
 
 A hand-written wrapper in the shape inductor emits for CUDA (triton
 launches, extern convolutions, buffer reuse, views, an in-place random op, a
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import schedulers
-from concur.kernel_program import WORLD, parse_wrapper
-from concur.kernel_streams import Emit, _check_names, build_call, launch_dag, plan_emission
+from concur.inductor.wrapper_emit import Emit, _check_names, build_call, launch_dag, plan_emission
+from concur.inductor.wrapper_parse import WORLD, parse_wrapper
 
 WRAPPER = """
 import torch
@@ -344,8 +344,8 @@ HOISTED = WRAPPER.replace("""        stream0 = get_raw_stream(0)
 ])
 def test_a_stream_argument_not_bound_inside_the_region_falls_back(monkeypatch, source, match):
     """A launch on a stream build_call does not rebind would stay on the caller's stream: the graph is not touched."""
-    from concur.cost import Roofline
-    from concur.kernel_streams import place_kernels
+    from concur.dag.cost import Roofline
+    from concur.inductor.wrapper_emit import place_kernels
 
     installed = fake_compiled(monkeypatch, source)
     roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
@@ -377,8 +377,8 @@ def call(args):
 
 @pytest.mark.parametrize("barrier", [True, False])
 def test_a_plan_its_barriers_serialize_names_the_barrier(monkeypatch, barrier):
-    from concur.cost import Roofline
-    from concur.kernel_streams import place_kernels
+    from concur.dag.cost import Roofline
+    from concur.inductor.wrapper_emit import place_kernels
 
     source = SERIAL if barrier else SERIAL.replace("        mystery(buf0)\n", "")
     installed = fake_compiled(monkeypatch, source)
@@ -397,10 +397,10 @@ def test_the_backend_warns_once_naming_the_serializing_statement(monkeypatch):
     import warnings
 
     import concur
-    from concur.kernel_program import parse_wrapper
-    from concur.kernel_streams import PlacedKernels
+    from concur.inductor.wrapper_emit import PlacedKernels
+    from concur.inductor.wrapper_parse import parse_wrapper
 
-    backend_module = sys.modules["concur.backend"]
+    backend_module = sys.modules["concur.inductor.backend"]
     (mystery,) = [s for s in parse_wrapper(SERIAL, {"torch": torch}).statements if s.kind == "barrier"]
     monkeypatch.setattr(backend_module, "place_kernels",
                         lambda *args, **kwargs: PlacedKernels(None, False, 3, "the schedule uses one stream", mystery))

@@ -2,8 +2,7 @@
 
 The import graph is read with ``ast`` from the sources, so nothing is imported to build it. Imports
 inside functions count too: a cycle through a lazy import is still two modules that need each other.
-The layers are those of ``tools/relayout.py`` and docs/architecture.md; they apply once the
-subpackages exist (before the move, that test says so and skips).
+The layers are those drawn in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -13,11 +12,8 @@ import importlib
 import inspect
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("dag", "fx", "inductor", "training", "observe")
-NEW_LAYOUT = all((ROOT / "concur" / sub / "__init__.py").exists() for sub in SUBPACKAGES)
 
 # From the bottom (0) up: a module may import only from its own layer or a lower one. The longest
 # prefix decides; "concur" alone is the package's __init__. fx and inductor never import each other.
@@ -33,11 +29,6 @@ LAYERS = {
     "concur": 8, "concur.__main__": 8, "concur.cli": 8,
 }
 SEPARATE = (("concur.fx", "concur.inductor"),)
-
-# The one known exception (issue 21): train_step(streams="auto") calls the tuner, and the tuner
-# builds train steps to time them. Once the tuner takes a step factory, this edge goes away
-# (test_known_upward_import_is_gone then passes: delete this entry and that test).
-KNOWN = {("concur.observe.tuner", "concur.training.step")} if NEW_LAYOUT else {("concur.tuner", "concur.train")}
 
 
 def module_name(path: Path) -> str:
@@ -104,27 +95,21 @@ def layer(mod: str) -> int | None:
 
 def test_no_import_cycles():
     graph = import_graph()
-    for a, b in KNOWN:
-        graph.get(a, {}).pop(b, None)
     found = cycles(graph)
     assert not found, "import cycles (lazy imports included):\n" + "\n".join(
         " <-> ".join(c) + ": " + ", ".join(f"{a} imports {b} at line {graph[a][b]}" for a in c for b in c
                                           if b in graph[a]) for c in found)
 
 
-@pytest.mark.skipif(not NEW_LAYOUT, reason="concur/ is still flat: run tools/relayout.py (issue 21) first")
 def test_every_module_has_a_layer():
     unplaced = [m for m in import_graph() if layer(m) is None]
-    assert not unplaced, f"give these modules a layer in LAYERS (here and in tools/relayout.py): {unplaced}"
+    assert not unplaced, f"give these modules a layer in LAYERS (here and in docs/architecture.md): {unplaced}"
 
 
-@pytest.mark.skipif(not NEW_LAYOUT, reason="concur/ is still flat: run tools/relayout.py (issue 21) first")
 def test_imports_point_down_the_layers():
     bad = []
     for src, deps in sorted(import_graph().items()):
         for dst, line in sorted(deps.items()):
-            if (src, dst) in KNOWN:
-                continue
             if (layer(dst) or 0) > (layer(src) or 0):
                 bad.append(f"{src} (layer {layer(src)}) imports {dst} (layer {layer(dst)}) at line {line}")
             for a, b in SEPARATE:
@@ -132,13 +117,6 @@ def test_imports_point_down_the_layers():
                     if (src == x or src.startswith(x + ".")) and (dst == y or dst.startswith(y + ".")):
                         bad.append(f"{src} imports {dst} at line {line}: {x} and {y} are separate products")
     assert not bad, "imports against the layers (see docs/architecture.md):\n" + "\n".join(bad)
-
-
-@pytest.mark.xfail(reason="issue 21: the tuner imports train_step; it should take a step factory instead",
-                   strict=False)
-def test_known_upward_import_is_gone():
-    graph = import_graph()
-    assert not [(a, b) for a, b in KNOWN if b in graph.get(a, {})]
 
 
 def test_schedulers_import_no_torch():
@@ -152,7 +130,6 @@ def test_schedulers_import_no_torch():
     assert not bad, "schedulers/ is pure Python:\n" + "\n".join(bad)
 
 
-@pytest.mark.skipif(not NEW_LAYOUT, reason="concur/ is still flat: run tools/relayout.py (issue 21) first")
 def test_shims_keep_old_names_working():
     import concur
 

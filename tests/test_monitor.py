@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 
-from concur import monitor
-from concur.monitor import Monitor, MonitorRecord
+from concur.observe import monitor
+from concur.observe.monitor import Monitor, MonitorRecord
 from tests.fixtures.fake_nvml import FakeClock, FakeNVML
 
 

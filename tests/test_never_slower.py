@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import concur
 import schedulers
-from concur.cost import ROOFLINES, AnalyticCost
-from concur.plan import analyse, hoistable
+from concur.dag.cost import ROOFLINES, AnalyticCost
+from concur.fx.plan import analyse, hoistable
 
 H100 = AnalyticCost(ROOFLINES["h100"])
 

@@ -7,9 +7,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from concur import plan as plan_module
 from concur.errors import ExampleInputError, PlanError
-from concur.plan import analyse, build_plan, device_name, hoistable
+from concur.fx import plan as plan_module
+from concur.fx.plan import analyse, build_plan, device_name, hoistable
 from tests.test_codegen import Diamond
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from concur.cli import main
-from concur.profile_trace import load_events, parse_events, parse_trace, profile_steps
-from concur.report import write_report
-from concur.rundir import load_run
-from concur.tune_cache import TunerCache
+from concur.observe.profile_trace import load_events, parse_events, parse_trace, profile_steps
+from concur.observe.report import write_report
+from concur.observe.rundir import load_run
+from concur.observe.tune_cache import TunerCache
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN = FIXTURES / "run_small"
@@ -224,7 +224,7 @@ def test_cli_report_and_cache_clear(tmp_path, capsys):
 
 
 def test_without_matplotlib_the_report_keeps_its_tables_and_warns_once(tmp_path, monkeypatch):
-    from concur import report as report_module
+    from concur.observe import report as report_module
 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setattr(report_module._plot, "warned", False)
@@ -237,8 +237,8 @@ def test_without_matplotlib_the_report_keeps_its_tables_and_warns_once(tmp_path,
 
 def test_utilization_plot_gives_a_phase_one_colour_in_every_panel(tmp_path, monkeypatch):
     """A phase with utilization but no samples must not shift the other phases' colours in the lower panels."""
-    from concur import report
-    from concur.monitor import Mark, MonitorRecord, Sample, UtilizationSample
+    from concur.observe import report
+    from concur.observe.monitor import Mark, MonitorRecord, Sample, UtilizationSample
 
     figures = []
     monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from concur.rundir import RUN_FILE, Run, RunWriter, Variant, load_run, slug
+from concur.observe.rundir import RUN_FILE, Run, RunWriter, Variant, load_run, slug
 
 
 def test_slugs_are_file_name_safe():

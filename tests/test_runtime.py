@@ -1,12 +1,12 @@
-"""concur.runtime.StreamRuntime: inert on CPU; on CUDA (faked here) the calls it makes for fork, waits and join."""
+"""concur.streams.StreamRuntime: inert on CPU; on CUDA (faked here) the calls it makes for fork, waits and join."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from concur import runtime as runtime_module
-from concur.runtime import StreamRuntime
+from concur import streams as runtime_module
+from concur.streams import StreamRuntime
 
 
 def test_on_cpu_every_call_is_a_no_op_and_the_plan_runs_in_issue_order():

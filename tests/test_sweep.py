@@ -209,8 +209,8 @@ def _plotted(monkeypatch) -> list[dict]:
 def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path, monkeypatch):
     from PIL import Image
 
-    import concur.report
-    from concur.monitor import Mark, MonitorRecord, Sample, UtilizationSample
+    import concur.observe.report
+    from concur.observe.monitor import Mark, MonitorRecord, Sample, UtilizationSample
 
     rows = []
     for mode, busy in (("serial_graph", 60.0), ("concur_graph:4", 90.0)):
@@ -224,8 +224,8 @@ def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path, monkeyp
                      fwd_critical_path_us=50.0, bound_speedup=2.0))
     meta = dict(date="d", gpu="g", driver="v", torch="t")
     merged = []
-    real_plot = concur.report.plot_utilization
-    monkeypatch.setattr(concur.report, "plot_utilization", lambda rec, *a: merged.append(rec) or real_plot(rec, *a))
+    real_plot = concur.observe.report.plot_utilization
+    monkeypatch.setattr(concur.observe.report, "plot_utilization", lambda rec, *a: merged.append(rec) or real_plot(rec, *a))
     shown = _plotted(monkeypatch)
     paths = sweep.plot_utilization_timelines(rows, meta, tmp_path) + sweep.plot_bounds(rows, meta, tmp_path)
     assert sorted(p.name for p in paths) == ["bound.png", "util_m_fp32_b8.png"]

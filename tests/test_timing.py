@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from concur import timing
+from concur.observe import timing
 
 
 def test_wall_times_skip_the_warm_up_and_time_each_repeat(monkeypatch):

@@ -140,8 +140,8 @@ def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
     """streams="auto" on a GPU measures trials under the step's autocast dtype (wiring, faked CUDA)."""
     import types
 
-    import concur.train as train_mod
-    import concur.tuner as tuner_mod
+    import concur.training.step as train_mod
+    import concur.observe.tuner as tuner_mod
 
     seen = {}
 
@@ -172,7 +172,7 @@ def test_compile_options_reach_the_backend_and_need_compile():
 
 
 def test_snapshot_restores_the_loss_scale_even_if_warm_up_created_it():
-    from concur.train import _Snapshot
+    from concur.training.step import _Snapshot
 
     model = WideNet(branches=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

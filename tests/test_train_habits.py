@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 
 import concur
-import concur.captured_optim as captured_optim
-import concur.train as train_mod
+import concur.training.captured_optim as captured_optim
+import concur.training.step as train_mod
 
 TOL = 1e-9
 
@@ -95,7 +95,7 @@ def apply_state(state):
 
 
 class EmulatedGraphs:
-    """CPU stand-in for ``concur.train._CudaGraphs``: capture runs the body once, replay reruns it frozen."""
+    """CPU stand-in for ``concur.training.step._CudaGraphs``: capture runs the body once, replay reruns it frozen."""
 
     def __init__(self):
         self.captures = 0

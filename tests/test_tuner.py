@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import concur
-from concur import tuner
-from concur.tuner import Config, Measurement, TuneResult, TunerCache, beats, cache_key, clear_cache, tune
+from concur.observe import tuner
+from concur.observe.tuner import Config, Measurement, TuneResult, TunerCache, beats, cache_key, clear_cache, tune
 from tests.fixtures.fake_nvml import FakeClock
 from tests.models import WideNet
 

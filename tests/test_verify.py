@@ -6,7 +6,7 @@ import torch
 
 import concur
 import schedulers
-from concur.verify import issue_steps, verify_generated
+from concur.fx.verify import issue_steps, verify_generated
 from tests.models import WideNet
 
 

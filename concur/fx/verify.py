@@ -16,8 +16,8 @@ import torch.fx as fx
 
 import schedulers
 
-from .annotate import OP_KINDS
-from .graph import is_free_source
+from concur.dag.annotate import OP_KINDS
+from concur.dag.hazards import is_free_source
 
 
 def issue_steps(generated: fx.Graph) -> list[tuple[str, object]]:

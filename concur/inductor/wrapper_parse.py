@@ -11,7 +11,7 @@ function launches the fused kernels one after another on one stream::
 This module turns that body into :class:`Statement` s, each with the storage
 *groups* it reads and writes (a group is one allocation: ``buf9 = buf5  #
 reuse`` and ``reinterpret_tensor(buf5, ...)`` stay in ``buf5``'s group), so
-:mod:`concur.kernel_streams` can issue the launches on several streams
+:mod:`concur.inductor.wrapper_emit` can issue the launches on several streams
 without touching the kernels, their layouts or their fusion.
 
 What a launch writes comes from the kernel itself and fails closed: a
@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .annotate import RNG
+from concur.dag.annotate import RNG
 
 WORLD = "<world>"  # read by every launch, written by barriers
 

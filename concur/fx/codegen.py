@@ -23,8 +23,8 @@ from collections import defaultdict
 import torch.fx as fx
 from schedulers import Schedule
 
-from .annotate import OP_KINDS
-from .graph import facts
+from concur.dag.annotate import OP_KINDS
+from concur.dag.hazards import facts
 
 
 def allocation_streams(graph: fx.Graph, schedule: Schedule) -> dict[fx.Node, frozenset[int]]:

@@ -4,7 +4,7 @@ Nodes of the DAG are the names of the fx operation nodes (placeholders,
 attribute reads and the output are free and are never scheduled). An edge
 ``u -> v`` means v may not start before u finishes. Data edges come from fx;
 hazard edges come from the storages each op reads and writes
-(:mod:`concur.annotate`), walked in program order:
+(:mod:`concur.dag.annotate`), walked in program order:
 
     x = conv(a)        reads a            a: readers [conv]
     y = relu_(a)       writes a           conv -> relu_   (write after read)
@@ -25,7 +25,7 @@ from typing import AbstractSet, Hashable, Iterable
 import networkx as nx
 import torch.fx as fx
 
-from .annotate import OP_KINDS, NodeFacts
+from concur.dag.annotate import OP_KINDS, NodeFacts
 
 
 def operation_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -34,7 +34,7 @@ def operation_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def facts(node: fx.Node) -> NodeFacts:
-    """Return the annotation of ``node`` (run :func:`concur.annotate.annotate` first)."""
+    """Return the annotation of ``node`` (run :func:`concur.dag.annotate.annotate` first)."""
     try:
         return node.meta["concur"]
     except KeyError:
@@ -47,7 +47,7 @@ def build_dag(graph: fx.Graph) -> nx.DiGraph:
     Node attributes: ``target`` (a readable name of the op), ``facts``, and
     ``trivial`` (``facts.no_arithmetic``: the schedulers keep such an op with
     its producer or consumer, see :func:`schedulers.attach_trivial`). Costs
-    are added later by :mod:`concur.cost`.
+    are added later by :mod:`concur.dag.cost`.
     """
     dag = nx.DiGraph()
     ops = operation_nodes(graph)

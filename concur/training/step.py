@@ -18,7 +18,7 @@ capture, so whatever the step reads from Python is frozen in it:
 
 - Hyperparameters. For SGD, Adam and AdamW the captured update reads them
   from device tensors written from the param groups before each replay
-  (:mod:`concur.captured_optim`), so every ``lr_scheduler`` works on the
+  (:mod:`concur.training.captured_optim`), so every ``lr_scheduler`` works on the
   user's plain floats. Other optimizers, and fused ones stepped by a
   GradScaler, keep their own ``step()``; their graphs are keyed on the
   hyperparameter values, so a new value is a new capture (warned once).
@@ -48,11 +48,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from . import _torch_compat as compat
-from . import api
-from . import captured_optim
-from .backend import ConcurBackend, backend
-from .annotate import tensors_in
+from concur import _torch_compat as compat
+from concur.dag.annotate import tensors_in
+from concur.fx import module as api
+from concur.inductor.backend import ConcurBackend, backend
+from concur.training import captured_optim
 
 BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
@@ -584,14 +584,14 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     gradient tensors, which ``p.grad`` shows after each call.
 
     ``compile=True`` runs the model through ``torch.compile`` with the concur
-    backend (:mod:`concur.backend`): inductor's fused kernels on the streams,
+    backend (:mod:`concur.inductor.backend`): inductor's fused kernels on the streams,
     forward and backward, still captured whole; ``streams=1`` is then exactly
     ``torch.compile`` plus a whole-step CUDA graph. ``compile_options`` are
     more keyword arguments of :func:`concur.backend` (e.g.
     ``buffer_reuse``).
 
     ``streams="auto"`` on CUDA measures stream counts and schedulers with the
-    tuner (:mod:`concur.tuner`, cached on disk, at most ~20 s) for the
+    tuner (:mod:`concur.observe.tuner`, cached on disk, at most ~20 s) for the
     unfused path; with ``compile=True``, where each trial would recompile, and
     without CUDA, it takes the fewest streams predicted to reach 97% of the
     best predicted speedup.
@@ -638,7 +638,7 @@ def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.op
     """
     on_cuda = any(t.is_cuda for t in tensors_in(example_batch[0])) and torch.cuda.is_available()
     if on_cuda and not compile:
-        from .tuner import tune_train_step
+        from concur.observe.tuner import tune_train_step
 
         kwargs = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
         chosen = tune_train_step(model, loss_fn, optimizer, example_batch, make_step=train_step, **kwargs).config

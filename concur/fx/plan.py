@@ -13,14 +13,14 @@ import torch.fx as fx
 import schedulers
 from schedulers import Schedule
 
-from .annotate import OpFailed, annotate, preserved_state, tensors_in
-from .capture import LeafSpec, trace
-from .codegen import event_count, generate
-from .cost import AnalyticCost, CostModel, assign_costs, roofline_for
-from .errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
-from .graph import build_dag, is_free_source
-from .runtime import StreamRuntime
-from .verify import verify_generated
+from concur.dag.annotate import OpFailed, annotate, preserved_state, tensors_in
+from concur.dag.cost import AnalyticCost, CostModel, assign_costs, roofline_for
+from concur.dag.hazards import build_dag, is_free_source
+from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
+from concur.fx.capture import LeafSpec, trace
+from concur.fx.codegen import event_count, generate
+from concur.fx.verify import verify_generated
+from concur.streams import StreamRuntime
 
 _plan_ids = itertools.count()
 

@@ -19,7 +19,7 @@ The search, pure and testable with a fake timer::
 A configuration replaces the best only when it is faster by more than the
 noise (and by at least ``min_gain``), so equal times keep fewer streams, and
 the choice is never slower than the serial graph: if nothing beats it, it
-stays. The choice is cached on disk (:mod:`concur.tune_cache`).
+stays. The choice is cached on disk (:mod:`concur.observe.tune_cache`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence, TextIO
 
-from .tune_cache import TunerCache, cache_key, clear_cache, default_cache_dir
+from concur.observe.tune_cache import TunerCache, cache_key, clear_cache, default_cache_dir
 
 __all__ = ["Config", "Measurement", "Trial", "TuneResult", "beats", "lever_for", "tune", "tune_train_step",
            "cached_result", "TunerCache", "cache_key", "clear_cache", "default_cache_dir", "Progress"]
@@ -180,7 +180,7 @@ def tune(measure: Callable[[Config], Measurement], *, max_streams: int = 8,
     ``measure(config)`` times a configuration (it may raise: the trial is
     recorded as failed and counts as no gain). ``patience`` is how many
     stream counts in a row may fail to beat the best before the climb stops.
-    ``eager_utilization`` (percent, from :class:`concur.monitor.Monitor`)
+    ``eager_utilization`` (percent, from :class:`concur.observe.monitor.Monitor`)
     picks the lever; ``eager`` is the eager loop's step time, reported only.
     With ``cache`` and ``key`` a stored result is returned without measuring,
     and a new one is stored.
@@ -297,9 +297,9 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     """
     import torch
 
-    from .annotate import tensors_in
-    from .monitor import nvml_index
-    from .plan import device_name
+    from concur.dag.annotate import tensors_in
+    from concur.fx.plan import device_name
+    from concur.observe.monitor import nvml_index
 
     inputs, targets = example_batch
     device = device_name(model, inputs if isinstance(inputs, tuple) else (inputs,))
@@ -308,7 +308,7 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
         return TuneResult(Config(1, schedulers[0]), None, None, stopped="no CUDA device: nothing to time "
                           "(on CPU the plan runs in issue order, so the stream count does not matter)")
     if timer is None:
-        from .timing import time_cuda_ms as timer
+        from concur.observe.timing import time_cuda_ms as timer
     if compile:
         train_step_kwargs["compile"] = True
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
@@ -381,7 +381,7 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
 def _probe_eager(build: Callable, timer: Timer, sync: Callable, inputs: Any, targets: Any, seconds: float,
                  scheduler: str, device: int) -> tuple[float | None, Measurement | None]:
     """Run the eager serial step for ``seconds`` under the NVML monitor; return (utilization %, time)."""
-    from .monitor import Monitor
+    from concur.observe.monitor import Monitor
 
     step, notes = build(Config(1, scheduler, cuda_graph=False))
     fn = lambda: step(inputs, targets)  # noqa: E731

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Literal, Union
 import torch
 import torch.fx as fx
 
-from .errors import TRACEBACK_HINT, CaptureError, debug
+from concur.errors import TRACEBACK_HINT, CaptureError, debug
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CONCUR_DIR = os.path.dirname(__file__)

@@ -32,7 +32,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._torch_compat import version_counter
+from concur._torch_compat import version_counter
 
 OP_KINDS = ("call_function", "call_method", "call_module")
 RNG = "rng"  # storage key of the global random-number generator state

@@ -21,9 +21,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .monitor import MonitorRecord
-from .profile_trace import TraceSummary, parse_trace
-from .rundir import Case, Run, load_run, slug
+from concur.observe.monitor import MonitorRecord
+from concur.observe.profile_trace import TraceSummary, parse_trace
+from concur.observe.rundir import Case, Run, load_run, slug
 
 WITHIN = 1.05  # the tuner's choice counts as good when within 5% of the best fixed stream count
 

@@ -1,6 +1,6 @@
 """Apply a plan's stream switches, events and waits on CUDA; do nothing on CPU.
 
-The generated forward (see :mod:`concur.codegen`) calls these methods as
+The generated forward (see :mod:`concur.fx.codegen`) calls these methods as
 graph nodes, so no Python loop interprets the plan at run time. Index 0 is
 always the *caller's* current stream, so a serial plan changes nothing and
 the result lands where the caller expects it.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .annotate import tensors_in
+from concur.dag.annotate import tensors_in
 
 
 class StreamRuntime:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .annotate import tensors_in
+from concur.dag.annotate import tensors_in
 
 FORMAT = 1
 

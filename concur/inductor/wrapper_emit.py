@@ -4,10 +4,10 @@ Inductor compiles a graph *whole* (so fusion and layout are decided once, as
 ``backend="inductor"`` would), and concur then rewrites only the order and the
 streams of the launches in the generated ``call`` function:
 
-1. :mod:`concur.kernel_program` lists the launches with the storage groups
+1. :mod:`concur.inductor.wrapper_parse` lists the launches with the storage groups
    each reads and writes; read/write conflicts give the dependency DAG;
 2. the DAG, costed from the fx nodes inductor names above each launch
-   (:mod:`concur.aten_dag`), is scheduled by the same :mod:`schedulers` as
+   (:mod:`concur.inductor.aten_dag`), is scheduled by the same :mod:`schedulers` as
    every other path;
 3. host statements (allocations, aliases, shape checks) go right before the
    first launch that touches their storage, on its stream (an allocation's
@@ -15,7 +15,7 @@ streams of the launches in the generated ``call`` function:
    after the last statement naming it;
 4. a storage used on a stream other than the one it was allocated on is
    protected with ``record_stream`` when its name dies, as in
-   :mod:`concur.runtime`.
+   :mod:`concur.streams`.
 
 :func:`plan_emission` is pure (data in, data out) and replays its own steps
 with :func:`schedulers.replay`, the checker every schedule passes;
@@ -43,11 +43,11 @@ import networkx as nx
 
 import schedulers
 
-from . import _torch_compat as compat
-from .cost import Roofline
-from .graph import hazard_edges
-from .kernel_program import KernelProgram, Statement, parse_wrapper
-from .runtime import StreamRuntime
+from concur import _torch_compat as compat
+from concur.dag.cost import Roofline
+from concur.dag.hazards import hazard_edges
+from concur.inductor.wrapper_parse import KernelProgram, Statement, parse_wrapper
+from concur.streams import StreamRuntime
 
 _MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launches (an event each way)
 

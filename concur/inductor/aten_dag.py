@@ -9,7 +9,7 @@ are nearly all there is. Three exceptions need ordering edges:
 * an op whose schema mutates an argument (``copy_`` into a BatchNorm
   buffer) writes the value it mutates, named by its root through views; it is
   ordered after every earlier reader of that value and before every later
-  one, with :func:`concur.graph.hazard_edges`, as for traced models;
+  one, with :func:`concur.dag.hazards.hazard_edges`, as for traced models;
 * ops tagged ``nondeterministic_seeded`` (dropout masks, ``rand_like``,
   inductor's seed draws) read and write the generator, so they keep their
   program order.
@@ -18,7 +18,7 @@ Costs are for the kernels inductor will emit, not for the aten ops:
 convolutions and matmuls stay separate (extern) kernels, costed by the
 roofline of their FLOPs and bytes; pointwise and reduction ops are fused into
 their neighbours, so each costs only the bytes it writes once; views cost
-nothing. The estimate only has to rank branches, like :mod:`concur.cost`.
+nothing. The estimate only has to rank branches, like :mod:`concur.dag.cost`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from .annotate import RNG, tensors_in
-from .cost import Roofline, resource_shares
-from .graph import hazard_edges
+from concur.dag.annotate import RNG, tensors_in
+from concur.dag.cost import Roofline, resource_shares
+from concur.dag.hazards import hazard_edges
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class AtenCost:
         """Fractions of the device's arithmetic and memory bandwidth the kernel keeps busy alone.
 
         Its time at each resource's full rate over its whole predicted time (see
-        :func:`concur.cost.assign_costs`), for :func:`schedulers.simulate_shared`.
+        :func:`concur.dag.cost.assign_costs`), for :func:`schedulers.simulate_shared`.
         """
         bytes_moved = self.bytes_written if self.fused else self.bytes_read + self.bytes_written
         return resource_shares({"compute": self.flops / roof.flops_per_us, "memory": bytes_moved / roof.bytes_per_us},

@@ -87,9 +87,9 @@ import torch.fx as fx
 
 import schedulers
 
-from . import _torch_compat as compat
-from .aten_dag import build_aten_dag, is_unpack, is_view, root
-from .cost import Roofline
+from concur import _torch_compat as compat
+from concur.dag.cost import Roofline
+from concur.inductor.aten_dag import build_aten_dag, is_unpack, is_view, root
 
 # Indices in dynamo's user-object table: far above dynamo's own (0, 1, ... per frame).
 TABLE_BASE = 1 << 30
@@ -583,8 +583,8 @@ def _sources() -> tuple[str, ...]:
 
     here = os.path.dirname(__file__)
     sched = os.path.dirname(pkg.__file__)
-    files = [os.path.join(here, f) for f in ("inductor_streams.py", "aten_dag.py", "cost.py", "graph.py",
-                                             "annotate.py")]
+    files = [os.path.join(here, f) for f in ("stamp.py", "aten_dag.py", "../dag/cost.py", "../dag/hazards.py",
+                                             "../dag/annotate.py")]
     files += sorted(os.path.join(sched, f) for f in os.listdir(sched) if f.endswith(".py"))
     return tuple(files)
 

@@ -15,7 +15,7 @@ from typing import Mapping, Protocol
 
 import networkx as nx
 
-from .annotate import NodeFacts
+from concur.dag.annotate import NodeFacts
 
 
 @dataclass(frozen=True)

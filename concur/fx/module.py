@@ -1,0 +1,320 @@
+"""The public entry points: ``optimize`` (a drop-in concurrent module) and ``inspect``."""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import schedulers
+
+from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
+from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
+from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
+from concur.fx.plan import Plan, analyse, build_plan, device_name
+
+FALLBACKS = ("error", "eager")
+log = logging.getLogger("concur")
+
+
+# What a ConcurModule takes from its original model: the same dict objects, so each change through
+# either object is seen by both (parameters, buffers, submodules, state-dict hooks).
+_SHARED = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_state_dict_hooks",
+           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# What a ConcurModule derives and rebuilds after a copy instead of copying it.
+_DERIVED = frozenset(_SHARED) | {"original", "_options", "_plans", "_plan_attrs"}
+
+
+class ConcurModule(nn.Module):
+    """A model whose forward runs a concurrent plan; everything else is the original model.
+
+    It shares the original model's submodule, parameter and buffer
+    dictionaries (the same dict objects), so parameters are the same
+    ``Parameter`` objects (an optimizer built on the original keeps working),
+    ``state_dict`` keys are unchanged, and ``.to()``, ``.train()`` and
+    ``load_state_dict`` act on one set of tensors seen by both. Its
+    ``training`` flag *is* the original's, and ``train()``/``eval()`` run the
+    original's own (possibly overridden) ``train``, so a mode set on either
+    object is the mode of both. Attributes it lacks are read from the original.
+
+    fx bakes Python-level branches on ``self.training`` into the trace (e.g.
+    GoogLeNet's auxiliary heads), so one plan is kept per combination of the
+    modules' training flags, built the first time that combination runs.
+
+    A copy (``copy.deepcopy``, pickling, ``torch.save``, ``AveragedModel``) is
+    a copy of the original model plus the options; its plans are rebuilt on
+    its first call, from that call's inputs, as for a mode not run before.
+    The plans themselves are not copied: they hold CUDA streams and events,
+    and code bound to the objects they were traced from.
+    """
+
+    def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
+                 cost_model: CostModel | None, leaf_modules: LeafSpec):
+        super().__init__()
+        self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
+                                 leaf_modules=leaf_modules if isinstance(leaf_modules, str)
+                                 else tuple(leaf_modules)))
+        self._plan_for(example_inputs)
+
+    def _attach(self, model: nn.Module, options: dict) -> None:
+        for name in _SHARED:
+            object.__setattr__(self, name, getattr(model, name))
+        object.__setattr__(self, "original", model)
+        self._options = options
+        self._plans: dict[tuple[bool, ...], Plan] = {}
+        self._plan_attrs: set[str] = set()  # attributes a plan put on self: not the user's, not copied
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The original model's flag: there is only one."""
+        original = self.__dict__.get("original")
+        return True if original is None else original.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        original = self.__dict__.get("original")
+        if original is not None:  # nn.Module.__init__ sets it before there is an original
+            original.training = mode
+
+    def train(self, mode: bool = True) -> "ConcurModule":
+        """Set the original model's mode with its own ``train`` (which a model may override); return self."""
+        self.original.train(mode)
+        return self
+
+    @property
+    def _version(self) -> int:  # type: ignore[override]
+        return self.original._version  # state_dict metadata: the original's format version
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.original._save_to_state_dict(destination, prefix, keep_vars)  # its extra state included
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.original._load_from_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None or name.startswith("__"):  # mid-unpickling, or a protocol probe
+                raise
+            return getattr(original, name)
+
+    def __reduce__(self):
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in _DERIVED and k not in self._plan_attrs and k != "_compiled_call_impl"}
+        return _rebuild, (self.original, self._options), state
+
+    def _mode_key(self) -> tuple[bool, ...]:
+        return tuple(m.training for m in self.modules())
+
+    def _plan_for(self, inputs: tuple) -> Plan:
+        key = self._mode_key()
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build_plan(self.original, inputs, **self._options)
+            if plan.schedule.num_streams > 1:
+                speedup = predicted_speedup(plan)
+                if speedup < 1.0:  # side streams would only add waits: never slower than one stream
+                    log.info("concur.optimize: %s runs on one stream: its %d-stream plan is predicted at "
+                             "%.2fx of one stream (kernels sharing the device)", type(self.original).__name__,
+                             plan.schedule.num_streams, speedup)
+                    plan = build_plan(self.original, inputs, **{**self._options, "streams": 1})
+            for node in plan.traced.graph.nodes:  # fx-made constants live on the traced root
+                if node.op == "get_attr":
+                    atom = str(node.target).split(".")[0]
+                    if atom not in self.__dict__ and not hasattr(self.original, atom):
+                        object.__setattr__(self, atom, getattr(plan.traced, atom))
+                        self._plan_attrs.add(atom)
+            self._plan_attrs.add(plan.runtime_attr)
+            self._plans[key] = plan
+        return plan
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the current train/eval mode (built on first use of that mode)."""
+        key = self._mode_key()
+        if key not in self._plans:
+            raise RuntimeError("no plan for this train/eval mode yet (a copy has none before its first "
+                               "call): call the module once first")
+        return self._plans[key]
+
+    @property
+    def auto_leaves(self) -> tuple[str, ...]:
+        """Paths of the submodules ``leaf_modules="auto"`` kept whole (current mode's plan)."""
+        return self.plan.traced.meta.get(AUTO_LEAVES_META, ())
+
+    @property
+    def schedule(self) -> schedulers.Schedule:
+        """The schedule of the current mode: stream per node, issue order, waits."""
+        return self.plan.schedule
+
+    def forward(self, *inputs: Any) -> Any:
+        try:
+            plan, rejected = self._plan_for(inputs), None
+        except ExampleInputError as exc:  # a new mode's plan, built on inputs the model rejects
+            plan, rejected = None, exc.original
+        if rejected is not None:
+            raise rejected  # the error the model itself gives on them, not one about setup
+        object.__setattr__(self, plan.runtime_attr, plan.runtime)
+        try:
+            return plan.forward(self, *inputs)
+        except BaseException:
+            plan.runtime.abort()
+            raise
+
+
+def predicted_speedup(plan: Plan) -> float:
+    """Return one stream's predicted time over the plan's, concurrent kernels sharing the device.
+
+    The contention-aware prediction (:func:`schedulers.simulate_shared`, each
+    wait costing the schedule's ``sync_cost``), not the ideal one: a plan whose
+    kernels already fill the device gains nothing on side streams and pays for
+    every wait.
+    """
+    serial_us = sum(float(plan.dag.nodes[v].get("cost") or 0.0) for v in plan.schedule.order)
+    span = schedulers.simulate_shared(plan.dag, plan.schedule)
+    return serial_us / span if span > 0 else 1.0
+
+
+def _rebuild(model: nn.Module, options: dict) -> ConcurModule:
+    """Return a ConcurModule over ``model`` with no plan yet (unpickling and deep copies call this)."""
+    cm = ConcurModule.__new__(ConcurModule)
+    nn.Module.__init__(cm)
+    cm._attach(model, options)
+    return cm
+
+
+def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"concur.optimize expects an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
+                        f"e.g. (torch.randn(8, 3, 224, 224),); got {type(example_inputs).__name__}")
+    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
+        raise ValueError(f"streams must be an int from 1 to 64, got {streams!r}")
+    example_inputs = tuple(example_inputs)
+    try:
+        signature = pyinspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward Python cannot introspect: the run will tell
+        return example_inputs
+    try:
+        signature.bind(*example_inputs)
+    except TypeError as exc:
+        raise ExampleInputError(
+            f"concur: example_inputs holds {len(example_inputs)} input(s) for "
+            f"{type(model).__name__}.forward{signature}: {exc}. Fix: pass a tuple with one example per "
+            f"positional argument of forward", "example_inputs") from None
+    return example_inputs
+
+
+def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
+             scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
+             leaf_modules: LeafSpec = (), fallback: str = "error") -> nn.Module:
+    """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
+
+    Outputs, gradients and buffer updates equal the original model's. On CPU
+    the same plan runs in its issue order. ``leaf_modules`` names submodules
+    (types or paths) to keep whole as one opaque operation; ``"auto"`` makes
+    leaves of the submodules fx cannot trace, warns naming them, and lists them
+    in ``auto_leaves``. ``fallback="eager"`` returns ``model`` itself, with a
+    warning, when it cannot be traced.
+
+    Never slower by prediction: a plan whose contention-aware predicted
+    speedup (:func:`predicted_speedup`) is below 1.0 is replaced by one
+    stream, and one info line on the ``concur`` logger says so.
+    """
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    example_inputs = _check_inputs(model, example_inputs, streams)
+    if scheduler not in schedulers.SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
+    try:
+        return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules)
+    except CaptureError as exc:
+        if fallback == "eager":
+            warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",
+                          stacklevel=2)
+            return model
+        raise _from_here(exc)
+    except ExampleInputError as exc:
+        raise _from_here(exc)
+
+
+def _from_here(exc: ConcurError) -> ConcurError:
+    """Return ``exc`` with its traceback cut to the public call, unless ``CONCUR_DEBUG`` asks for it all.
+
+    The user's mistake (an input, a model line) is in the message; the frames of
+    concur's setup between the call and the raise would only bury it.
+    """
+    return exc if debug() else exc.with_traceback(None)
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What concur sees in a model: size of the DAG, its width, and predicted speedups."""
+
+    model: str
+    num_ops: int
+    num_kernels: int
+    width: int
+    serial_us: float
+    critical_path_us: float
+    predicted_speedup: dict[int, float] = field(default_factory=dict)  # concurrent kernels share the device
+    auto_leaves: tuple[str, ...] = ()
+    ideal_speedup: dict[int, float] = field(default_factory=dict)  # each kernel as fast as alone: a bound
+    device_model: str = ""  # the device the op costs are predicted for (cost.describe)
+
+    def __str__(self) -> str:
+        rows = [f"model              {self.model}",
+                f"device model       {self.device_model}",
+                f"operations         {self.num_ops} ({self.num_kernels} launch kernels)",
+                f"DAG width          {self.width} (most ops in one topological generation)",
+                f"serial time        {self.serial_us:,.1f} us (predicted, sum of op costs)",
+                f"critical path      {self.critical_path_us:,.1f} us "
+                f"(bound: {self.serial_us / max(self.critical_path_us, 1e-9):.2f}x)",
+                "streams  predicted speedup  (if kernels did not compete for the device)"]
+        rows += [f"{k:>7}  {v:17.2f}x  ({self.ideal_speedup.get(k, float('nan')):.2f}x)"
+                 for k, v in self.predicted_speedup.items()]
+        if self.auto_leaves:
+            shown = ", ".join(self.auto_leaves[:4]) + (", ..." if len(self.auto_leaves) > 4 else "")
+            rows.append(f"auto leaves        {len(self.auto_leaves)} kept whole, fx cannot trace them: {shown}")
+        return "\n".join(rows)
+
+
+def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critical_path",
+            max_streams: int = 8, cost_model: CostModel | None = None,
+            leaf_modules: LeafSpec = (), device: str | None = None) -> Inspection:
+    """Return the op count, DAG width, critical path and predicted speedup for 1..max_streams.
+
+    Op times are predicted by ``cost_model``, else by the roofline of ``device`` (a key of
+    ``concur.dag.cost.ROOFLINES`` such as ``"h100"``, or a CUDA device name), else by that of the
+    device the example inputs are on; ``device_model`` in the result names it.
+    """
+    example_inputs = _check_inputs(model, example_inputs, 1)
+    if cost_model is None:
+        cost_model = AnalyticCost(roofline_for(device or device_name(model, example_inputs)))
+    try:
+        traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
+    except (CaptureError, ExampleInputError) as exc:
+        raise _from_here(exc)
+    speedups = schedulers.speedup_predictions(dag, max_streams, scheduler)
+    return Inspection(
+        model=type(model).__name__,
+        num_ops=dag.number_of_nodes(),
+        num_kernels=sum(1 for _, d in dag.nodes(data=True) if d["facts"].launches_kernel),
+        width=schedulers.width(dag),
+        serial_us=sum(d["cost"] for _, d in dag.nodes(data=True)),
+        critical_path_us=schedulers.critical_path_length(dag),
+        predicted_speedup=speedups["contention"],
+        auto_leaves=traced.meta.get(AUTO_LEAVES_META, ()),
+        ideal_speedup=speedups["ideal"],
+        device_model=describe(cost_model),
+    )

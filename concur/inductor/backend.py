@@ -1,0 +1,273 @@
+"""``torch.compile(model, backend="concur")``: inductor's fused kernels, issued on several streams.
+
+Inductor's front end runs unchanged (dynamo capture, decompositions,
+AOTAutograd with its min-cut partitioner), and inductor compiles each forward
+and backward aten graph whole, exactly as ``backend="inductor"`` would. concur
+then rewrites only the order and the streams of the kernel launches in the
+generated ``call`` (:mod:`concur.inductor.wrapper_emit`): fusion, layouts and the
+kernels themselves are inductor's.
+
+A graph with nothing to put on streams (fewer than two launches,
+``streams=1``, a schedule that uses one stream, a predicted gain below
+``min_predicted_speedup``) runs inductor's own call without a word; the
+reason is kept in :attr:`ConcurBackend.graphs`. A graph concur cannot
+schedule (symbolic shapes, a wrapper it does not fully read, a plan its
+barriers serialize) runs inductor's own call too, with one warning naming
+why; results never differ from inductor's.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+import schedulers
+
+from concur import _torch_compat as compat
+from concur.dag.cost import Roofline, roofline_for
+from concur.inductor.aten_dag import build_aten_dag
+from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
+from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
+
+# Placing kernels loses no fusion, so any schedule on several streams is worth installing.
+DEFAULT_MIN_PREDICTED_SPEEDUP = 1.0
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How the concur backend schedules and compiles."""
+
+    streams: int = 4
+    scheduler: str = "critical_path"
+    roofline: Roofline | None = None  # default: from the device of the graph's inputs
+    # A graph whose schedule predicts less than this gain over one stream, with kernels sharing the
+    # device (schedulers.simulate_shared), keeps inductor's own call.
+    min_predicted_speedup: float = DEFAULT_MIN_PREDICTED_SPEEDUP
+    # With streams > 1: whether inductor may put a new buffer in a dead one's memory. Off by
+    # default: each reuse orders the new buffer's writer after every reader of the old one, which
+    # chains independent branches (an 8-branch net's planned backward: ideal 1.04x with reuse,
+    # 3.09x without). Without reuse the fused path was never slower on the H100 and cost
+    # 1.02-1.12x compile + graph's peak memory (experiments/RESULTS.md); True trades that
+    # concurrency for inductor's memory footprint. streams=1 keeps inductor's own setting.
+    buffer_reuse: bool = False
+    # "wrapper": inductor compiles each graph whole and concur rewrites its generated call
+    # (concur.inductor.wrapper_emit). "inductor_streams": concur stamps its schedule onto the post-grad
+    # aten graph and inductor emits the streams and events itself (concur.inductor.stamp;
+    # torch >= 2.13, elsewhere the wrapper route with one warning). Tested on CPU only, never
+    # measured on a GPU (the H100 machine has torch 2.11), hence not the default.
+    route: str = "wrapper"
+
+
+@dataclass(frozen=True)
+class CompiledGraphInfo:
+    """What the backend did with one forward or backward graph (kept for inspection and tests)."""
+
+    is_backward: bool
+    num_ops: int
+    num_launches: int  # kernel launches of inductor's wrapper (0 when it was not read)
+    num_streams: int
+    num_waits: int
+    # why concur could not schedule the graph (it runs inductor's own call; warned once), else None
+    fallback_reason: str | None
+    ideal_speedup: float = 1.0
+    predicted_speedup: float = 1.0
+    num_barriers: int = 0  # launches concur could not read, ordered after and before all others
+    # why a graph concur could read runs on one stream all the same (a decision, not a failure)
+    one_stream_reason: str | None = None
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def _roofline(options: BackendOptions, example_inputs: Sequence[Any]) -> Roofline:
+    if options.roofline is not None:
+        return options.roofline
+    device = _device_of(example_inputs)
+    return roofline_for(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
+
+DYNAMIC_SHAPES = ("the graph has dynamic (symbolic) shapes; concur schedules static shapes only "
+                  "(compile with dynamic=False and without torch._dynamo.mark_dynamic)")
+
+
+class ConcurBackend:
+    """A dynamo backend: ``torch.compile(model, backend=ConcurBackend(BackendOptions(...)))``."""
+
+    def __init__(self, options: BackendOptions = BackendOptions()):
+        if isinstance(options.streams, bool) or not isinstance(options.streams, int) or options.streams < 1:
+            raise ValueError(f"streams must be a positive int, got {options.streams!r}")
+        if options.scheduler not in schedulers.SCHEDULERS:
+            raise ValueError(f"unknown scheduler {options.scheduler!r}; choose one of "
+                             f"{sorted(schedulers.SCHEDULERS)}")
+        if options.route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {options.route!r}")
+        if not options.min_predicted_speedup >= 1.0:
+            raise ValueError(f"min_predicted_speedup must be >= 1.0, got {options.min_predicted_speedup!r}")
+        self.options = options
+        self.graphs: list[CompiledGraphInfo] = []
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return f"concur.backend(streams={o.streams}, scheduler={o.scheduler!r})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        compat.warn_if_untested_torch()
+        return compat.inductor_compile_fx(gm, example_inputs, self._compile)
+
+    # -- per-graph compilation ----------------------------------------------------------------
+
+    def _fall_back(self, is_backward: bool, num_ops: int, reason: str, placed: PlacedKernels | None = None) -> None:
+        """Record a graph concur could not schedule, warning once per reason."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"concur backend: a {'backward' if is_backward else 'forward'} graph runs as plain "
+                          f"inductor output on one stream, because {reason}. Any other graph of this backend "
+                          "that falls back for the same reason does so without a new warning (see .graphs).",
+                          stacklevel=3)
+        plan = placed.plan if placed is not None else None
+        self.graphs.append(CompiledGraphInfo(
+            is_backward, num_ops, placed.num_launches if placed is not None else 0, 1, 0, reason,
+            plan.ideal_speedup if plan else 1.0, plan.predicted_speedup if plan else 1.0,
+            plan.num_barriers if plan else 0))
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+        """Compile one aten graph whole with inductor, then put its kernel launches on streams."""
+        is_backward = bool(kwargs.get("is_backward", False))
+        o = self.options
+        num_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        if compat.has_symbolic_shapes(list(example_inputs)):
+            compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+            self._fall_back(is_backward, num_ops, DYNAMIC_SHAPES)
+            return compiled
+        if o.streams == 1:
+            compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+            self.graphs.append(CompiledGraphInfo(is_backward, num_ops, 0, 1, 0, None,
+                                                 one_stream_reason="streams=1"))
+            return compiled
+        if o.route == "inductor_streams":
+            if compat.has_inductor_node_streams():
+                return self._compile_stamped(gm, example_inputs, is_backward, num_ops, args, kwargs)
+            if "route" not in self._warned:
+                self._warned.add("route")
+                warnings.warn(f"concur backend: route='inductor_streams' needs inductor's node streams (torch >= "
+                              f"2.13); torch {torch.__version__} has none, so the wrapper route is used", stacklevel=2)
+        try:  # costs come from the fx graph, which inductor's post-grad passes rewrite in place
+            roof = _roofline(o, example_inputs)
+            node_costs = costs_by_source(gm.graph, build_aten_dag(gm.graph, roof))
+        except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
+            compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+            self._fall_back(is_backward, num_ops, f"its costs could not be read ({_describe(exc)})")
+            return compiled
+        # without reuse only where streams follow; otherwise inductor's (and the user's) setting stands
+        with compat.inductor_buffer_reuse(False) if not o.buffer_reuse else contextlib.nullcontext():
+            compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        try:
+            placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup)
+        except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
+            self._fall_back(is_backward, num_ops, _describe(exc))
+            return compiled
+        plan = placed.plan
+        if placed.serialized_by is not None:
+            s = placed.serialized_by
+            self._fall_back(is_backward, num_ops, f"a statement concur cannot read, `{_code(s.node)}` (wrapper "
+                            f"line {s.node.lineno}), is ordered after and before every launch, which puts a graph "
+                            f"that would use several streams on one", placed)
+            return compiled
+        self.graphs.append(CompiledGraphInfo(
+            is_backward, num_ops, placed.num_launches, plan.num_streams if placed.installed else 1,
+            plan.num_waits if placed.installed else 0, None, plan.ideal_speedup if plan else 1.0,
+            plan.predicted_speedup if plan else 1.0, plan.num_barriers if plan else 0, placed.one_stream))
+        return compiled
+
+    def _compile_stamped(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool, num_ops: int,
+                         args: tuple, kwargs: dict) -> Any:
+        """Compile with concur's schedule stamped on the post-grad graph: inductor emits streams and events."""
+        o = self.options
+        original = snapshot_graph(gm)  # inductor's post-grad passes change gm in place
+        try:
+            options = StreamOptions(o.streams, o.scheduler, _roofline(o, example_inputs), o.min_predicted_speedup)
+            with compat.inductor_buffer_reuse(False) if not o.buffer_reuse else contextlib.nullcontext():
+                done = compile_stamped(gm, example_inputs, options, is_backward, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - run the graph as AOTAutograd gave it, on one stream
+            compiled = compat.inductor_compile_graph(original, example_inputs, *args, **kwargs)
+            self._fall_back(is_backward, num_ops, f"its streams could not be stamped ({_describe(exc)})")
+            return compiled
+        r = done.result
+        self.graphs.append(CompiledGraphInfo(
+            is_backward, num_ops, 0, r.num_streams if r else 0, r.num_waits if r else 0, None,
+            r.ideal_speedup if r else 1.0, r.predicted_speedup if r else 1.0, 0,
+            (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)")))
+        return done.compiled
+
+
+def costs_by_source(graph: fx.Graph, dag: Any) -> dict[str, tuple[float, dict]]:
+    """Return the fx nodes' (cost, share) under the names inductor lists above each launch.
+
+    Those names are the nodes' sources (:func:`compat.inductor_source_name`),
+    not their own: a forward's ``addmm`` is listed as dynamo's ``input_1``.
+    Nodes of one source add up; the share is that of the costliest.
+    """
+    costs: dict[str, tuple[float, dict]] = {}
+    top: dict[str, float] = {}
+    for node in graph.nodes:
+        if node.name not in dag:
+            continue
+        cost, share = dag.nodes[node.name]["cost"], dag.nodes[node.name]["share"]
+        name = compat.inductor_source_name(node)
+        total, best = costs.get(name, (0.0, share))
+        if cost > top.get(name, -1.0):
+            top[name], best = cost, share
+        costs[name] = (total + cost, best)
+    return costs
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+
+
+def _code(node: ast.stmt) -> str:
+    text = ast.unparse(node).splitlines()[0]
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
+            min_predicted_speedup: float | None = None, buffer_reuse: bool = False,
+            route: str = "wrapper") -> ConcurBackend:
+    """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
+
+    ``torch.compile(model, backend=concur.backend(streams=4))``; the name
+    ``"concur"`` is the same with defaults. Inductor compiles each graph
+    whole and concur then issues its kernel launches on streams
+    (:mod:`concur.inductor.wrapper_emit`): fusion and layout are exactly
+    ``torch.compile``'s.
+
+    A graph whose schedule predicts less than ``min_predicted_speedup`` over
+    one stream (kernels sharing the device) runs on one stream, exactly as
+    ``torch.compile`` would; None takes :data:`DEFAULT_MIN_PREDICTED_SPEEDUP`.
+
+    ``buffer_reuse=False`` (the default; it applies to graphs put on several
+    streams) stops inductor from placing new buffers in dead ones, whose
+    reuse chains independent branches: 1.02-1.12x the peak memory of
+    ``torch.compile`` on the H100, for much more concurrency. ``True``
+    keeps inductor's reuse.
+
+    ``route="inductor_streams"`` (torch >= 2.13; tested on CPU, not measured
+    on a GPU) stamps the schedule onto the post-grad graph and lets inductor
+    emit streams and events (:mod:`concur.inductor.stamp`) instead of
+    rewriting its wrapper.
+    """
+    gate = DEFAULT_MIN_PREDICTED_SPEEDUP if min_predicted_speedup is None else min_predicted_speedup
+    return ConcurBackend(BackendOptions(streams, scheduler, roofline, gate, buffer_reuse, route))
+
+
+def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """The default backend, registered as ``"concur"`` (also via the ``torch_dynamo_backends`` entry point)."""
+    return backend()(gm, example_inputs)
