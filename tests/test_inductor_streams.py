@@ -1,4 +1,4 @@
-"""concur.inductor_streams: concur's schedule stamped on post-grad aten graphs, for inductor's own streams.
+"""concur.inductor.stamp: concur's schedule stamped on post-grad aten graphs, for inductor's own streams.
 
 All on CPU (torch >= 2.13): the stamps, the syncs checked against an
 independent happens-before oracle on the fx graph, the order inductor's CPU
@@ -337,7 +337,7 @@ from torch._inductor import config
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from concur import inductor_streams as istreams
+from concur.inductor import stamp as istreams
 from concur.dag.cost import ROOFLINES
 
 def mms(x, w1, w2, w3):
