@@ -33,6 +33,7 @@ import torchvision  # noqa: E402
 
 import concur  # noqa: E402
 from tests.conftest import requires_cuda  # noqa: E402
+from tests.envelope import assert_within_envelope, perturbed  # noqa: E402
 from tests.models import WideNet  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -167,37 +168,20 @@ GOOGLENET = scenarios(GOOGLENET_STEPS, 1e-3, 1e-4, freeze=lambda m: m.inception3
                       bn_eval=lambda m: m.inception4b)
 
 
-def _perturbed(model, rel=1e-6):
-    twin = copy.deepcopy(model)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    with torch.no_grad():
-        for p in twin.parameters():
-            p.mul_(1 + rel * torch.randn(p.shape, device=p.device, generator=g))
-    return twin
-
-
 @pytest.mark.parametrize("name", sorted(GOOGLENET))
 def test_googlenet_fp32_habits_within_the_plain_loops_envelope(name):
     sc = GOOGLENET[name]
     torch.manual_seed(0)
     model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False,
                                          dropout=0.0).cuda().train()
-    ref, twin = copy.deepcopy(model), _perturbed(model)
+    ref, twin = copy.deepcopy(model), perturbed(model)
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [(torch.randn(8, 3, 64, 64, device="cuda", generator=g),
                 torch.randint(0, 1000, (8,), device="cuda", generator=g)) for _ in range(GOOGLENET_STEPS)]
     losses, step = concur_loop(model, sc, batches)
     _check_graphs(step, name, sc)
     expected, envelope = plain_loop(ref, sc, batches), plain_loop(twin, sc, batches)
-    deviation = ((losses - expected).abs() / expected.abs()).cummax(0).values
-    allowed = 4 * ((envelope - expected).abs() / expected.abs()).cummax(0).values + 1e-4
-    print(f"googlenet fp32 {name}: max loss deviation {deviation[-1]:.2e}, envelope {allowed[-1]:.2e}")
-    assert deviation[0] < 1e-5, "the first step must match"
-    assert (deviation <= allowed).all(), f"deviation {deviation} exceeds envelope {allowed}"
-    p = torch.cat([q.detach().flatten() for q in model.parameters()])
-    pr = torch.cat([q.detach().flatten() for q in ref.parameters()])
-    pt = torch.cat([q.detach().flatten() for q in twin.parameters()])
-    assert (p - pr).norm() <= 4 * (pt - pr).norm() + 1e-5 * pr.norm()
+    assert_within_envelope(f"googlenet fp32 {name}", losses, expected, envelope, model, ref, twin)
 
 
 def test_a_saved_graph_step_resumes_the_same_run_in_float64():
