@@ -500,3 +500,19 @@ def test_adam_eps_change_is_a_new_capture(graphs):
     losses, expected, model, ref, _ = run_both(ADAM, make_batches(6), events={3: new_eps})
     assert_same_run(losses, expected, model, ref)
     assert graphs.captures == 2
+
+
+def test_parameters_moved_to_new_memory_get_a_new_graph(graphs):
+    """``model.to(...)``/``.half()`` after capture keeps the Parameter objects but not their memory.
+
+    A replayed graph reads the old memory, so the step must capture again. Fails without the
+    parameters' storage in the graph key (one capture for the whole run).
+    """
+    def new_memory(m, o):  # what Module.to/.cuda/.half do to each parameter
+        with torch.no_grad():
+            for p in m.parameters():
+                p.data = p.data.clone()
+
+    losses, expected, model, ref, step = run_both(SGD_M, make_batches(6), events={3: new_memory})
+    assert_same_run(losses, expected, model, ref)
+    assert graphs.captures == 2

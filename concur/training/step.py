@@ -401,11 +401,16 @@ class TrainStep:
             self.backends.clear()
 
     def _state_key(self) -> tuple:
-        """What a captured step depends on besides input shapes, read on every call (~50 us at 240 modules)."""
+        """What a captured step depends on besides input shapes, read on every call (~50 us at 240 modules).
+
+        Parameter storages count too: ``model.to(...)`` or ``.half()`` after a capture keeps the
+        parameter objects but gives them new memory, which a replayed graph would never read.
+        """
         modules, params, _ = self._tree
         groups = self.optimizer.param_groups
         return (self._tree_version, self._loads[0],
                 tuple([m.training for m in modules]), tuple([p.requires_grad for p in params]),
+                tuple([p.data_ptr() for p in params]),
                 tuple([(id(g["params"]), len(g["params"])) for g in groups]), self._hyperparameter_key())
 
     def _hyperparameter_key(self) -> tuple:
