@@ -5,7 +5,6 @@
 Dropout masks match eager only with inductor's ``fallback_random``; it is on here.
 """
 import argparse
-import dataclasses
 import copy
 import sys
 import time
@@ -25,7 +24,6 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--streams", type=int, nargs="+", default=[4])
     p.add_argument("--no-dropout", action="store_true", help="set every dropout's p to 0")
-    p.add_argument("--segments", default="inductor", choices=["inductor", "eager"])
     a = p.parse_args()
     torch._inductor.config.fallback_random = True
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -55,8 +53,6 @@ def main() -> int:
         else:
             k = int(label[5:])
             step = concur.train_step(m, loss_fn, opt, data[0], streams=k, compile=True)
-            if a.segments == "eager":  # same segments and streams, fx code instead of inductor kernels
-                step.backends[k].options = dataclasses.replace(step.backends[k].options, segment_compiler="eager")
         losses = [step(x, y).item() for x, y in data]
         print(f"{label}: {time.perf_counter() - t:.1f} s, losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
         if label != "eager":
