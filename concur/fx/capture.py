@@ -207,7 +207,7 @@ def _capture_error(model: torch.nn.Module, failed: tuple[str, torch.nn.Module] |
         msg = (f"concur could not trace {name}'s own code{inside}{at}: {what}\n"
                f"This code is the root module's own, not a submodule's, so no leaf module can keep "
                f"it out of the trace" + (" (leaf_modules='auto' tried)" if auto_tried else "")
-               + f".\nFix: pass fallback='eager' to run the model unchanged, or keep "
+               + ".\nFix: pass fallback='eager' to run the model unchanged, or keep "
                + _wrap_advice(model, frames))
     error = CaptureError(f"{msg}\n{TRACEBACK_HINT}", path, type(module).__name__, location)
     error.original = exc
