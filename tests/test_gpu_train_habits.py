@@ -34,28 +34,10 @@ import torchvision  # noqa: E402
 import concur  # noqa: E402
 from tests.conftest import requires_cuda  # noqa: E402
 from tests.envelope import assert_within_envelope, perturbed  # noqa: E402
+from tests.test_gpu import _loss, exact_math  # noqa: E402,F401 - exact_math is an autouse fixture
 from tests.models import WideNet  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
-
-
-@pytest.fixture(autouse=True)
-def exact_math():
-    flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = flags
-
-
-def _loss(out, y):
-    ce = nn.functional.cross_entropy
-    if isinstance(out, tuple):
-        aux = [a for a in out[1:] if a is not None]
-        return ce(out[0], y) + sum(0.3 * ce(a, y) for a in aux)
-    return ce(out, y)
 
 
 def _clip(model, opt):
