@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import schedulers
 from schedulers import SCHEDULERS, coarsen, expand, schedule, validate
 from schedulers.coarsen import merge_small
-from tests.test_schedulers import random_dags
+from tests.dags import random_dags
 
 
 def dag_of(edges: list[tuple[str, str]], costs: dict[str, float], heavy: set[str] | None = None,

@@ -1,4 +1,8 @@
-"""Tests for the pure-Python `schedulers` package (no torch, no GPU)."""
+"""schedulers.schedule: what every scheduler returns is valid (waits, order, stream budget), and simulate/simulate_shared.
+
+Pure Python like the package it tests: no torch, no GPU. Each scheduler's own choices are tested in
+test_serial.py, test_critical_path.py and test_fork.py.
+"""
 
 from __future__ import annotations
 
@@ -6,52 +10,29 @@ import dataclasses
 
 import networkx as nx
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from schedulers import (
     SCHEDULERS,
     Wait,
     critical_path,
-    critical_path_length,
     fork,
     minimal_waits,
-    predicted_speedups,
     schedule,
     serial,
     simulate,
     simulate_shared,
     validate,
-    width,
 )
+from tests.dags import PROPS, costed, diamond, fork_join, random_dags
 
 ALL = [serial, critical_path, fork]
 
 
-def costed(edges: list[tuple[str, str]], costs: dict[str, float]) -> nx.DiGraph:
-    dag = nx.DiGraph()
-    dag.add_nodes_from((v, {"cost": c}) for v, c in costs.items())
-    dag.add_edges_from(edges)
-    return dag
-
-
-@pytest.fixture
-def diamond() -> nx.DiGraph:
-    return costed(
-        [("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")],
-        {"a": 1.0, "b": 10.0, "c": 10.0, "d": 1.0},
-    )
-
-
-def fork_join(branches: int, cost: float = 10.0) -> nx.DiGraph:
-    dag = nx.DiGraph()
-    dag.add_node("src", cost=1.0)
-    for i in range(branches):
-        dag.add_node(f"b{i}", cost=cost)
-        dag.add_edge("src", f"b{i}")
-    dag.add_node("sink", cost=1.0)
-    dag.add_edges_from((f"b{i}", "sink") for i in range(branches))
-    return dag
+@pytest.fixture(name="diamond")
+def diamond_fixture() -> nx.DiGraph:
+    return diamond()
 
 
 # ---------------------------------------------------------------- hand-written cases
@@ -86,12 +67,6 @@ def test_fork_join_of_eight_branches_uses_eight_streams(scheduler):
     assert s.num_streams == 8 and s.streams_used == tuple(range(8))
     assert len({s.stream[f"b{i}"] for i in range(8)}) == 8
     assert validate(dag, s) == []
-
-
-def test_serial_has_no_waits_and_keeps_program_order(diamond):
-    s = serial(diamond, num_streams=8)
-    assert s.waits == () and s.num_streams == 1 and s.order == ("a", "b", "c", "d")
-    assert s.makespan == 22.0
 
 
 def test_transitively_implied_wait_is_not_emitted_and_is_flagged():
@@ -142,35 +117,10 @@ def test_cycle_and_bad_stream_count_raise(diamond):
         schedule(diamond, 0)
 
 
-def test_speedup_of_two_equal_heavy_branches(diamond):
-    ideal = (1 + 2 * 10 + 1) / (1 + 10 + 1)
-    speedups = predicted_speedups(diamond, max_streams=4, sync_cost=0.0)
-    assert speedups[1] == pytest.approx(1.0)
-    assert all(v == pytest.approx(ideal) for k, v in speedups.items() if k >= 2)
-    # At the default sync cost of 1 each of the two waits delays the finish by 1.
-    assert predicted_speedups(diamond, max_streams=2)[2] == pytest.approx(22 / 14)
-
-
-def test_zero_cost_node_stays_with_its_producer():
-    # With no sync cost, "view" finishes at 11 on every stream; it must not leave c's stream.
-    dag = costed(
-        [("a", "b"), ("a", "c"), ("c", "view"), ("view", "e"), ("b", "f")],
-        {"a": 1, "b": 10, "c": 10, "view": 0, "e": 1, "f": 1},
-    )
-    s = critical_path(dag, 3, sync_cost=0.0)
-    assert s.stream["c"] != 0
-    assert s.stream["view"] == s.stream["e"] == s.stream["c"]
-
-
 def test_simulate_charges_sync_cost_per_wait(diamond):
     s = critical_path(diamond, 2, sync_cost=0.0)
     assert simulate(diamond, s.order, s.stream, s.waits, sync_cost=0.0) == 12.0
     assert simulate(diamond, s.order, s.stream, s.waits, sync_cost=1.0) == 14.0
-
-
-def test_analysis_numbers(diamond):
-    assert critical_path_length(diamond) == 12.0
-    assert width(diamond) == 2 and width(fork_join(8)) == 8 and width(nx.DiGraph()) == 0
 
 
 def test_schedule_accessors(diamond):
@@ -192,25 +142,6 @@ def test_empty_graph(scheduler):
 # ---------------------------------------------------------------- properties
 
 
-@st.composite
-def random_dags(draw: st.DrawFn) -> nx.DiGraph:
-    n = draw(st.integers(1, 30))
-    dag = nx.DiGraph()
-    # Insertion order is shuffled against the topological numbering, so program order
-    # is not always 0..n-1.
-    for i in draw(st.permutations(range(n))):
-        dag.add_node(f"n{i}", cost=draw(st.floats(0, 100, allow_nan=False)))
-    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
-    density = draw(st.floats(0, 0.5))
-    for i, j in pairs:
-        if draw(st.floats(0, 1)) < density:
-            dag.add_edge(f"n{i}", f"n{j}")
-    return dag
-
-
-PROPS = settings(max_examples=150, deadline=None)
-
-
 @PROPS
 @given(dag=random_dags(), k=st.integers(1, 8), name=st.sampled_from(sorted(SCHEDULERS)))
 def test_every_schedule_is_valid_and_within_stream_budget(dag, k, name):
@@ -218,15 +149,6 @@ def test_every_schedule_is_valid_and_within_stream_budget(dag, k, name):
     assert validate(dag, s) == []
     assert 1 <= s.num_streams <= k
     assert all(0 <= t < k for t in s.stream.values())
-
-
-@PROPS
-@given(dag=random_dags(), k=st.integers(1, 8))
-def test_critical_path_never_slower_than_serial_without_sync_cost(dag, k):
-    s = critical_path(dag, k, sync_cost=0.0)
-    assert validate(dag, s) == []
-    assert s.makespan <= serial(dag).makespan + 1e-6
-    assert s.makespan >= critical_path_length(dag) - 1e-6
 
 
 @PROPS
@@ -278,10 +200,3 @@ def test_a_compute_bound_and_a_memory_bound_kernel_overlap_two_compute_bound_do_
     assert simulate_shared(dag, s) == pytest.approx(5.2)  # compute 1.3: both run at 1/1.3
 
 
-def test_contention_aware_speedups_are_lower_for_kernels_that_fill_the_device():
-    dag = fork_join(4)
-    nx.set_node_attributes(dag, 0.5, "share")
-    ideal = predicted_speedups(dag, 4, sync_cost=0.0)
-    shared = predicted_speedups(dag, 4, sync_cost=0.0, contention=True)
-    assert shared[1] == ideal[1] == 1.0
-    assert 1.0 < shared[4] < ideal[4]
