@@ -92,7 +92,7 @@ def test_identities_and_step_counters_are_trivial_and_convolutions_are_not():
 
 @pytest.mark.parametrize("scheduler", ["critical_path", "fork"])
 def test_trivial_ops_cost_no_wait_of_their_own(scheduler):
-    """Before: each Identity shortcut ran on a side stream, waiting for its input and waited for by the sum."""
+    """An Identity shortcut on a side stream would wait for its input and be waited for by the sum: two waits for no work."""
     dag = scheduled_dag(resnet_like(TwoBranch))
     plan = schedulers.schedule(dag, 4, scheduler)
     assert plan.num_streams > 1  # the two conv branches still run side by side
@@ -108,7 +108,7 @@ def test_trivial_ops_cost_no_wait_of_their_own(scheduler):
 
 
 def test_step_counters_are_not_predicted_as_parallel_work():
-    """Before: a chain of residual blocks was predicted 1.19x on 4 streams, from the counters alone."""
+    """A chain of residual blocks has no parallel work: counters on side streams would predict a gain (1.19x) that is not there."""
     prediction = concur.inspect(resnet_like(Residual), (X,), cost_model=H100, max_streams=4)
     assert all(abs(s - 1.0) < 1e-9 for s in prediction.predicted_speedup.values())
     assert all(abs(s - 1.0) < 1e-9 for s in prediction.ideal_speedup.values())
@@ -151,3 +151,26 @@ def test_timm_nets_named_in_the_issue_are_not_planned_slower(name):
     plan = concur.optimize(model, (x,), streams=4, cost_model=H100).plan
     serial_us = sum(plan.dag.nodes[v]["cost"] for v in plan.schedule.order)
     assert plan.schedule.num_streams == 1 or serial_us / schedulers.simulate_shared(plan.dag, plan.schedule) >= 1.0
+
+
+def test_auto_streams_that_settle_on_one_say_so_in_one_info_line(caplog):
+    model = resnet_like(Residual)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = (X, torch.randn(2, 8, 16, 16))
+    with caplog.at_level(logging.INFO, logger="concur"):
+        step = concur.train_step(model, F.mse_loss, optimizer, batch, streams="auto")
+    assert step.requested_streams == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "concur" and "streams='auto'" in r.getMessage()]
+    assert len(lines) == 1 and "keeps one stream for Sequential" in lines[0], lines
+
+
+def test_auto_streams_on_a_branchy_net_log_nothing(caplog):
+    from tests.models import WideNet
+
+    model = WideNet(branches=4, channels=4)  # small kernels: predicted 1.75x on 3 streams by the CPU roofline
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = (torch.randn(2, 3, 8, 8), torch.randn(2, 10))
+    with caplog.at_level(logging.INFO, logger="concur"):
+        step = concur.train_step(model, F.mse_loss, optimizer, batch, streams="auto")
+    assert step.requested_streams > 1
+    assert not [r for r in caplog.records if r.name == "concur" and "streams='auto'" in r.getMessage()]

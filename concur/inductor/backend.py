@@ -35,7 +35,7 @@ from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
 from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
 
-# Placing kernels loses no fusion, so any schedule on several streams is worth installing.
+# Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = 1.0
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import copy
 import itertools
+import logging
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -48,6 +49,8 @@ from concur.dag.cost import Roofline
 from concur.dag.hazards import hazard_edges
 from concur.inductor.wrapper_parse import KernelProgram, Statement, parse_wrapper
 from concur.streams import StreamRuntime
+
+log = logging.getLogger("concur")
 
 _MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launches (an event each way)
 
@@ -399,9 +402,12 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     if plan.num_streams == 1:
         return PlacedKernels(plan, False, launches, "the schedule uses one stream",
                              serializing_barrier(program, dag, streams, scheduler, min_cost))
-    if min_predicted_speedup > 1.0 and plan.predicted_speedup < min_predicted_speedup:
-        return PlacedKernels(plan, False, launches, f"predicted speedup {plan.predicted_speedup:.2f}x is below "
-                                                    f"min_predicted_speedup={min_predicted_speedup:g}")
+    gate = max(min_predicted_speedup, 1.0)  # a plan predicted slower than one stream is never installed
+    if plan.predicted_speedup < gate:
+        reason = (f"its {plan.num_streams}-stream plan is predicted at {plan.predicted_speedup:.2f}x of one stream "
+                  f"(kernels sharing the device), below {gate:g}x")
+        log.info("concur backend: a graph of %d launches keeps one stream: %s", launches, reason)
+        return PlacedKernels(plan, False, launches, reason)
     call, _ = build_call(program, plan, namespace, bound_to)
     replace(call)
     return PlacedKernels(plan, True, launches)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ from concur.inductor.backend import ConcurBackend, backend
 from concur.training import captured_optim
 
 BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
+
+log = logging.getLogger("concur")
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -647,8 +650,15 @@ def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.op
 
         kwargs = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
         chosen = tune_train_step(model, loss_fn, optimizer, example_batch, make_step=train_step, **kwargs).config
+        if chosen.streams == 1:
+            log.info("concur.train_step: streams='auto' keeps one stream for %s: no configuration with more "
+                     "streams was measured faster than the serial graph", type(model).__name__)
         return chosen.streams, chosen.scheduler, cuda_graph and chosen.cuda_graph
-    return _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler), scheduler, cuda_graph
+    streams = _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler)
+    if streams == 1:
+        log.info("concur.train_step: streams='auto' keeps one stream for %s: no plan with more streams is "
+                 "predicted faster (kernels sharing the device)", type(model).__name__)
+    return streams, scheduler, cuda_graph
 
 
 def _predicted_stream_count(model: nn.Module, inputs: tuple, scheduler: str) -> int:
