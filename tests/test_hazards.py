@@ -73,25 +73,3 @@ def test_without_hazard_edges_the_plan_gives_wrong_results(monkeypatch):
     broken = concur.optimize(model, (x,), streams=2)
     actual = broken(x.clone())
     assert not torch.allclose(actual, expected, rtol=1e-3)
-
-
-def test_aten_step_counter_and_views_are_trivial_and_join_a_cluster_with_work():
-    """BatchNorm's counter in a functional aten graph: 0-d int64 ``add`` then ``copy_`` back, beside real work."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    import schedulers
-    from concur.dag.cost import ROOFLINES
-    from concur.inductor.aten_dag import build_aten_dag
-
-    def step(x, w, counter):
-        bumped = counter + 1
-        counter.copy_(bumped)
-        return torch.mm(x, w).t(), torch.mm(w, x)
-
-    gm = make_fx(step, tracing_mode="fake")(torch.randn(64, 64), torch.randn(64, 64), torch.zeros((), dtype=torch.int64))
-    dag = build_aten_dag(gm.graph, ROOFLINES["h100"])
-    kinds = {dag.nodes[v]["target"].split(".")[1]: dag.nodes[v]["trivial"] for v in dag}
-    assert kinds == {"add": True, "copy_": True, "t": True, "mm": False}
-    coarse = schedulers.coarsen(dag)  # no min_cost: before, the counter was a cluster (a stream) of its own
-    for vs in coarse.members.values():
-        assert not all(dag.nodes[v]["trivial"] for v in vs), vs
