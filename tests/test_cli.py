@@ -165,3 +165,10 @@ def test_cache_lists_and_clears(tmp_path, capsys):
     assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"removed 1 cached tuner choice(s) from {tmp_path / 'tuner'}\n"
     assert TunerCache(tmp_path).get("k1") is None
+
+
+def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "concur", "no-such-command"], capture_output=True, text=True)
+    assert done.returncode == 2 and "usage: concur" in done.stderr
