@@ -36,7 +36,7 @@ def flat_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-CHUNK = 1 << 22  # elements compared at a time: float64 copies of a whole VGG gradient took 4 GB
+CHUNK = 1 << 22  # elements compared at a time: float64 copies of a whole VGG gradient take 4 GB
 
 
 def _squared_norms(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:

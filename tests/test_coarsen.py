@@ -264,7 +264,7 @@ def test_a_trivial_join_that_would_close_a_cycle_stays_alone():
 
 
 def test_coarsen_attaches_an_unconnected_trivial_op_without_min_cost():
-    """Before, only merge_small (min_cost > 0) moved BatchNorm's counter off a cluster of its own."""
+    """attach_trivial keeps BatchNorm's counter off a cluster (a stream) of its own even with min_cost=0 (no merge_small)."""
     dag = dag_of([("conv", "relu")], {"conv": 50.0, "relu": 1.0})
     dag.add_node("bump", cost=0.5, trivial=True)
     assert clusters(coarsen(dag)) == [["bump", "conv", "relu"]]

@@ -271,8 +271,8 @@ def test_train_step_fp16_grad_scaler_in_the_graph_matches_the_amp_recipe():
     The scale grows every 4 good steps until a step overflows: the graph must
     skip those steps on the device and back the scale off exactly as the plain
     loop does (same final scale), and train within the loop's own fp16
-    envelope in between. (An earlier version started at 2**40, where all 20
-    steps overflowed and nothing trained: it could not fail on training.)
+    envelope in between. The scale starts at 2**16: from 2**40 all 20 steps
+    would overflow and nothing would train, so the test could not fail on training.
     """
     model, ref, twin, batches = _mixed_precision_setup()
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731

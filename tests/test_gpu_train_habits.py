@@ -9,12 +9,11 @@ and a block's BatchNorm set to eval half-way. Two models:
 - GoogLeNet in fp32 for 20 steps, within the plain loop's own envelope (the
   same loop from parameters nudged by 1e-6, as in tests/test_gpu.py).
 
-Each scenario fails on the code before this file (commit fb0ff05^): a float
-learning rate, momentum and betas were baked into the graph at capture
-(the OneCycleLR scenarios keep the first values), ``before_step`` and
-``accumulate`` did not exist (TypeError), and the graph key held input
-shapes only (a frozen block kept training, a BatchNorm set to eval kept
-using batch statistics). Run on the H100:
+Each scenario fails without the behaviour it checks: a float learning rate,
+momentum or betas baked into the graph at capture (the OneCycleLR scenarios
+would keep the first values), no ``before_step`` or ``accumulate``
+(TypeError), or a graph key of input shapes only (a frozen block would keep
+training, a BatchNorm set to eval would keep using batch statistics). Run on a GPU:
 
     python -m pytest -q -m cuda tests/test_gpu_train_habits.py
 """

@@ -1,4 +1,4 @@
-"""concur's layout (issue 21): no import cycle, every import points down the layers, schedulers/ pure.
+"""concur's layout: no import cycle, every import points down the layers, schedulers/ pure.
 
 The import graph is read with ``ast`` from the sources, so nothing is imported to build it. Imports
 inside functions count too: a cycle through a lazy import is still two modules that need each other.

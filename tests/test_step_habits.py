@@ -284,7 +284,7 @@ def test_before_step_clips_between_backward_and_step(graphs, clip, cuda_graph):
 
 
 def test_clipping_after_the_call_is_too_late():
-    """The issue's symptom: clip_grad_norm_ after step(x, y) clips gradients already applied."""
+    """Why before_step exists: clip_grad_norm_ after step(x, y) clips gradients already applied."""
     batches = make_batches(5)
     model = make_model()
     step = concur.train_step(model, loss_fn, SGD_M(model), batches[0], streams=2, cuda_graph=False)
@@ -311,7 +311,7 @@ def test_accumulation_matches_the_recipe(graphs, k, cuda_graph):
 
 
 def test_planted_update_every_call_is_caught(graphs, monkeypatch):
-    """Planted fault: every call is the last of its cycle (the issue's update per micro-batch)."""
+    """Planted fault: every call is the last of its cycle (an update per micro-batch, accumulation ignored)."""
     batches = make_batches(6)
     monkeypatch.setattr(train_mod.TrainStep, "_phase", lambda self: (True, True))
     losses, expected, model, ref, _ = run_both(SGD_M, batches, k=2)

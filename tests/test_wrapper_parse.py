@@ -4,9 +4,9 @@ What a kernel writes is established from the kernel itself: a triton
 pointer counts as read-only only when its body provably just loads through
 it, a C++ pointer only when it points to ``const``, an extern kernel writes
 only its ``out=`` when it is one known to, and everything else counts as
-written. The first test is issue 19's example: two cooperative reductions
-share the graph's semaphores as ``sem_ptr``, which no parameter name marks
-as written, and must still be ordered.
+written. The first test shows why names are not enough: two cooperative
+reductions share the graph's semaphores as ``sem_ptr``, which no parameter
+name marks as written, and must still be ordered.
 """
 
 from __future__ import annotations
