@@ -1,6 +1,7 @@
-"""Former home of ``optimize``, ``inspect`` and ``ConcurModule``, which live in :mod:`concur.fx.module`.
+"""Re-exports :mod:`concur.fx.module` (``optimize``, ``inspect``, ``ConcurModule``) under ``concur.api``.
 
-Kept because checkpoints pickled before the move name ``concur.api._rebuild``.
+Checkpoints of a ``ConcurModule`` pickled by concur releases that defined it here name
+``concur.api._rebuild``; this module lets them load.
 """
 
 from concur.fx.module import *  # noqa: F401,F403
