@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -33,6 +34,7 @@ from concur import _torch_compat as compat
 from concur.dag.cost import Roofline, roofline_for
 from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
+from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
 from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
@@ -62,6 +64,10 @@ class BackendOptions:
     # torch >= 2.13, elsewhere the wrapper route with one warning). Tested on CPU only, never
     # measured on a GPU (the H100 machine has torch 2.11), hence not the default.
     route: str = "wrapper"
+    # With streams > 1: split each backward convolution_backward into its input-gradient and
+    # weight(+bias)-gradient calls (concur.inductor.weight_grads), so the weight part can leave the
+    # critical path for a side stream. Same kernels, one more launch per convolution.
+    split_weight_grads: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class CompiledGraphInfo:
     num_barriers: int = 0  # launches concur could not read, ordered after and before all others
     # why a graph concur could read runs on one stream all the same (a decision, not a failure)
     one_stream_reason: str | None = None
+    convolutions_split: int = 0  # convolution_backward calls split into input and weight parts
+    weight_grad_ops: int = 0  # matmuls and convolution backward calls whose values only the optimizer reads
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -152,6 +160,20 @@ class ConcurBackend:
             self.graphs.append(CompiledGraphInfo(is_backward, num_ops, 0, 1, 0, None,
                                                  one_stream_reason="streams=1"))
             return compiled
+        split = split_convolution_backward(gm.graph) if is_backward and o.split_weight_grads else 0
+        if split:
+            gm.recompile()
+        weight_grad_ops = len(weight_gradient_nodes(gm.graph)) if is_backward else 0
+        recorded = len(self.graphs)
+        compiled = self._compile_on_streams(gm, example_inputs, is_backward, num_ops, args, kwargs)
+        if len(self.graphs) > recorded:
+            self.graphs[-1] = dataclasses.replace(self.graphs[-1], convolutions_split=split,
+                                                  weight_grad_ops=weight_grad_ops)
+        return compiled
+
+    def _compile_on_streams(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool,
+                            num_ops: int, args: tuple, kwargs: dict) -> Any:
+        o = self.options
         if o.route == "inductor_streams":
             if compat.has_inductor_node_streams():
                 return self._compile_stamped(gm, example_inputs, is_backward, num_ops, args, kwargs)
@@ -240,7 +262,7 @@ def _code(node: ast.stmt) -> str:
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
             min_predicted_speedup: float | None = None, buffer_reuse: bool = False,
-            route: str = "wrapper") -> ConcurBackend:
+            route: str = "wrapper", split_weight_grads: bool = True) -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
     ``torch.compile(model, backend=concur.backend(streams=4))``; the name
@@ -263,9 +285,16 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     on a GPU) stamps the schedule onto the post-grad graph and lets inductor
     emit streams and events (:mod:`concur.inductor.stamp`) instead of
     rewriting its wrapper.
+
+    ``split_weight_grads=True`` (the default) splits each backward
+    convolution into its input-gradient and weight-gradient calls, so the
+    weight part can run beside the rest of the backward pass
+    (:mod:`concur.inductor.weight_grads`); ``False`` keeps AOTAutograd's
+    joint calls.
     """
     gate = DEFAULT_MIN_PREDICTED_SPEEDUP if min_predicted_speedup is None else min_predicted_speedup
-    return ConcurBackend(BackendOptions(streams, scheduler, roofline, gate, buffer_reuse, route))
+    return ConcurBackend(BackendOptions(streams, scheduler, roofline, gate, buffer_reuse, route,
+                                        split_weight_grads))
 
 
 def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
