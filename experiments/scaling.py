@@ -18,7 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.sweep import report
+from experiments.sweep.children import run_sweep
+from experiments.sweep.rows import default_out, run_meta
 
 BRANCHES = [1, 2, 4, 8, 16]
 WIDTHS = [32, 128]
@@ -68,9 +70,9 @@ def plot(points: list[dict], meta: dict, path: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("branches per block")
     ax.set_ylabel("speedup over the serial graph")
-    ax.set_title(f"branchy net: {sweep._meta_line(meta)}", fontsize=9)
+    ax.set_title(f"branchy net: {report.meta_line(meta)}", fontsize=9)
     ax.legend(fontsize=8)
-    return sweep.save_figure(fig, path, meta)
+    return report.save_figure(fig, path, meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args.batch = args.batch or (2 if smoke else 32)
     if smoke:
         args.repeats = min(args.repeats, 2)
-    meta = sweep.run_meta()
-    out = args.out or sweep.default_out(meta) / "scaling"
+    meta = run_meta()
+    out = args.out or default_out(meta) / "scaling"
     configs = []
     for width in args.widths:
         for branches in args.branches:
@@ -103,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 configs.append(dict(model=f"branchy:{branches}x{width}", batch=args.batch, precision=args.precision,
                                     mode=mode, repeats=args.repeats, warmup=1 if args.cpu_smoke else 5,
                                     out=str(out), **({"image_size": 32} if args.cpu_smoke else {})))
-    rows, _ = sweep.sweep(configs, out, args.resume, args.timeout_per_config)
+    rows, _ = run_sweep(configs, out, args.resume, args.timeout_per_config)
     points = scaling_points(rows)
     (out / "scaling.json").write_text(json.dumps(dict(meta=meta, points=points), indent=1))
-    sweep.write_reports(rows, meta, out)
+    report.write_reports(rows, meta, out)
     print(plot(points, meta, out / "scaling.png"), file=sys.stderr)
     return 0
 

@@ -1,4 +1,4 @@
-"""experiments/sweep.py on CPU: the files, resume, failures as results, the synthetic nets, the bound."""
+"""experiments.sweep on CPU: the files, resume, failures as results, the synthetic nets, the bound."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import pytest
 import torch
 
 import concur
-from experiments import sweep
+from concur.dag.annotate import NodeFacts
+from experiments.sweep import children, measure, report
+from experiments.sweep.bounds import NODE_RANGE, critical_path_bound
+from experiments.sweep.cli import main
+from experiments.sweep.configs import config_key, group_configs, make_configs
+from experiments.sweep.rows import read_rows
 from experiments.sweep_models import BranchyNet, build
 
 META_KEYS = ("date", "gpu", "torch", "driver")
@@ -26,13 +31,13 @@ def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     args = ["--cpu-smoke", "--models", "branchy:2x8", "nosuch", "--modes", "eager", "eager_streams:2",
             "serial_graph", "--repeats", "2", "--out", str(out), "--inject-failure", "nosuch|2|fp32|eager=crash"]
-    assert sweep.main(args) == 0
+    assert main(args) == 0
     return out, args
 
 
 def test_smoke_sweep_writes_every_file_with_meta(smoke_run):
     out, _ = smoke_run
-    rows = sweep.read_rows(out / "results.jsonl")
+    rows = read_rows(out / "results.jsonl")
     assert len(rows) == 6
     for r in rows:
         assert all(r.get(k) for k in META_KEYS), r
@@ -50,7 +55,7 @@ def test_smoke_sweep_writes_every_file_with_meta(smoke_run):
 
 
 def test_cuda_modes_are_skipped_and_measured_modes_have_times(smoke_run):
-    rows = {r["key"]: r for r in sweep.read_rows(smoke_run[0] / "results.jsonl")}
+    rows = {r["key"]: r for r in read_rows(smoke_run[0] / "results.jsonl")}
     assert rows["branchy:2x8|2|fp32|serial_graph"]["status"] == "skipped: no CUDA"
     for mode in ("eager", "eager_streams:2"):
         r = rows[f"branchy:2x8|2|fp32|{mode}"]
@@ -62,7 +67,7 @@ def test_cuda_modes_are_skipped_and_measured_modes_have_times(smoke_run):
 
 
 def test_failures_are_recorded_and_the_sweep_goes_on(smoke_run):
-    rows = {r["key"]: r for r in sweep.read_rows(smoke_run[0] / "results.jsonl")}
+    rows = {r["key"]: r for r in read_rows(smoke_run[0] / "results.jsonl")}
     crashed = rows["nosuch|2|fp32|eager"]  # the child aborted: no row of its own, the parent wrote one
     assert crashed["status"] == "error" and "subprocess exited" in crashed["error"]
     raised = rows["nosuch|2|fp32|eager_streams:2"]
@@ -73,18 +78,18 @@ def test_failures_are_recorded_and_the_sweep_goes_on(smoke_run):
 def test_resume_runs_only_what_is_missing(smoke_run, capsys):
     out, args = smoke_run
     jsonl = out / "results.jsonl"
-    before = sweep.read_rows(jsonl)
+    before = read_rows(jsonl)
     with pytest.raises(SystemExit, match="--resume"):  # never appends to an old run by accident
-        sweep.main(args)
+        main(args)
     capsys.readouterr()
-    assert sweep.main(args + ["--resume"]) == 0
+    assert main(args + ["--resume"]) == 0
     assert "launched 0 configuration(s)" in capsys.readouterr().err
     # Interrupted mid-write: the last row is lost and a cut line is left behind.
     lines = jsonl.read_text().splitlines()
     jsonl.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
-    assert sweep.main(args + ["--resume"]) == 0
+    assert main(args + ["--resume"]) == 0
     assert "launched 1 configuration(s)" in capsys.readouterr().err
-    after = sweep.read_rows(jsonl)
+    after = read_rows(jsonl)
     assert [r["started"] for r in after[:-1]] == [r["started"] for r in before[:-1]]
     assert after[-1]["key"] == before[-1]["key"]
 
@@ -110,12 +115,14 @@ def test_bad_model_names_say_how_to_write_them():
 
 
 def test_critical_path_bound_from_a_trace(tmp_path):
-    """Diamond a -> (b, c) -> d; kernels 1, 10, 5, 1 µs: serial 17, longest path 12."""
-    dag = nx.DiGraph([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    """Diamond a -> (b, c) -> d -> e; kernels 1, 10, 5, 1 µs, e unmeasured: serial 17, longest path 12."""
+    dag = nx.DiGraph([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d"), ("d", "e")])
+    for node in dag:  # as on a plan's DAG; the roofline would give each node far more than its measured time
+        dag.nodes[node]["facts"] = NodeFacts(frozenset(), frozenset(), frozenset(), 10**12, 10**12, True)
     events = []
     for i, (node, dur) in enumerate([("a", 1), ("b", 10), ("c", 5), ("d", 1)]):
         t = 100 * i
-        events += [dict(ph="X", cat="user_annotation", name=sweep.NODE_RANGE + node, ts=t, dur=50),
+        events += [dict(ph="X", cat="user_annotation", name=NODE_RANGE + node, ts=t, dur=50),
                    dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=t + 5, dur=2,
                         args=dict(correlation=i)),
                    dict(ph="X", cat="kernel", name=f"k{node}", ts=t + 30, dur=dur, args=dict(correlation=i))]
@@ -123,23 +130,24 @@ def test_critical_path_bound_from_a_trace(tmp_path):
     events.append(dict(ph="X", cat="kernel", name="stray", ts=999, dur=100, args=dict(correlation=99)))
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    bound = sweep.critical_path_bound(path, types.SimpleNamespace(dag=dag))
+    bound = critical_path_bound(path, types.SimpleNamespace(dag=dag))
+    # e is not in the trace: it costs nothing (measured time only) and is counted out of the measured nodes
     assert (bound.serial_us, bound.critical_path_us) == (17.0, 12.0)
-    assert bound.nodes_measured == bound.nodes_total == 4
+    assert (bound.nodes_measured, bound.nodes_total) == (4, 5)
     assert bound.bound_speedup == pytest.approx(17 / 12)
 
 
 def test_best_speedup_compares_concur_modes_with_alternatives():
     rows = [dict(model="m", precision="fp32", batch=8, mode=mode, status="ok", ms=ms)
             for mode, ms in [("eager", 10.0), ("compile_graph", 4.0), ("concur_graph:4", 3.0), ("fused:4", 2.0)]]
-    [best] = sweep.best_speedups(rows)
+    [best] = report.best_speedups(rows)
     assert (best["concur_mode"], best["best_alternative"], best["speedup"]) == ("fused:4", "compile_graph", 2.0)
 
 
 def test_modes_that_compile_get_a_child_each_and_the_rest_share_one():
     cfgs = [dict(model=m, batch=8, precision="fp32", mode=mode)
             for m in ("a", "b") for mode in ("eager", "serial_graph", "compile", "fused:4", "critical_path")]
-    groups = [[c["model"] + "|" + c["mode"] for c in g] for g in sweep.group_configs(cfgs)]
+    groups = [[c["model"] + "|" + c["mode"] for c in g] for g in group_configs(cfgs)]
     assert groups == [["a|eager", "a|serial_graph"], ["a|compile"], ["a|fused:4"], ["a|critical_path"],
                       ["b|eager", "b|serial_graph"], ["b|compile"], ["b|fused:4"], ["b|critical_path"]]
 
@@ -149,16 +157,16 @@ def test_compiling_modes_start_from_empty_compile_caches_unless_asked(shared, mo
     args = types.SimpleNamespace(precisions=["fp32"], models=["m"], batches=[8], modes=["eager", "compile"],
                                  repeats=1, util_seconds=0, warmup=0, out=tmp_path, image_size=None,
                                  inject_failure=[], shared_compile_cache=shared)
-    eager, compiling = sweep.make_configs(args)
+    eager, compiling = make_configs(args)
     assert "compile_cache" not in eager and compiling["compile_cache"] == ("shared" if shared else "cold")
     seen = []
 
     def fake_child(flag, cfg, timeout_s, extra_env=None):
         seen.append(extra_env)
-        return json.dumps(dict(cfg, key=sweep.config_key(cfg), status="ok")) + "\n", None
+        return json.dumps(dict(cfg, key=config_key(cfg), status="ok")) + "\n", None
 
-    monkeypatch.setattr(sweep, "_run_child", fake_child)
-    assert sweep.run_in_subprocess(compiling, 10, {})["status"] == "ok"
+    monkeypatch.setattr(children, "_run_child", fake_child)
+    assert children.run_in_subprocess(compiling, 10, {})["status"] == "ok"
     if shared:
         assert seen == [None]
     else:
@@ -173,7 +181,7 @@ def test_fused_rows_record_what_the_backend_made_of_each_graph():
     step = concur.train_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                              (x, y), streams=1, compile=True)
     step(x, y)
-    graphs = sweep.compiled_graphs(step)
+    graphs = measure.compiled_graphs(step)
     assert [(g["backward"], g["strategy"], g["streams"], g["waits"], g["fallback"]) for g in graphs] == \
         [(False, "kernels", 1, 0, None), (True, "kernels", 1, 0, None)]
 
@@ -181,17 +189,17 @@ def test_fused_rows_record_what_the_backend_made_of_each_graph():
 def test_a_crash_inside_a_group_loses_only_its_own_row(tmp_path):
     args = ["--cpu-smoke", "--models", "branchy:2x8", "--modes", "eager", "eager_streams:2", "serial_graph",
             "--repeats", "2", "--out", str(tmp_path), "--inject-failure", "branchy:2x8|2|fp32|eager_streams:2=crash"]
-    assert sweep.main(args) == 0
-    rows = {r["key"]: r for r in sweep.read_rows(tmp_path / "results.jsonl")}
+    assert main(args) == 0
+    rows = {r["key"]: r for r in read_rows(tmp_path / "results.jsonl")}
     assert rows["branchy:2x8|2|fp32|eager"]["status"] == "ok"
     assert "subprocess exited" in rows["branchy:2x8|2|fp32|eager_streams:2"]["error"]
     assert rows["branchy:2x8|2|fp32|serial_graph"]["status"] == "skipped: no CUDA"  # ran after the crash
 
 
 def _plotted(monkeypatch) -> list[dict]:
-    """Record what each figure saved through sweep.save_figure shows: lines and bars by label."""
+    """Record what each figure saved through report.save_figure shows: lines and bars by label."""
     shown = []
-    real_save = sweep.save_figure
+    real_save = report.save_figure
 
     def recording_save(fig, path, meta):
         [ax] = fig.axes
@@ -202,7 +210,7 @@ def _plotted(monkeypatch) -> list[dict]:
             bars={c.get_label(): [round(b.get_height(), 6) for b in c] for c in ax.containers}))
         return real_save(fig, path, meta)
 
-    monkeypatch.setattr(sweep, "save_figure", recording_save)
+    monkeypatch.setattr(report, "save_figure", recording_save)
     return shown
 
 
@@ -227,9 +235,9 @@ def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path, monkeyp
     real_plot = concur.observe.report.plot_utilization
     monkeypatch.setattr(concur.observe.report, "plot_utilization", lambda rec, *a: merged.append(rec) or real_plot(rec, *a))
     shown = _plotted(monkeypatch)
-    paths = sweep.plot_utilization_timelines(rows, meta, tmp_path) + sweep.plot_bounds(rows, meta, tmp_path)
+    paths = report.plot_utilization_timelines(rows, meta, tmp_path) + report.plot_bounds(rows, meta, tmp_path)
     assert sorted(p.name for p in paths) == ["bound.png", "util_m_fp32_b8.png"]
-    assert sweep.bound_rows(rows)[0]["achieved_speedup"] == pytest.approx(1.5)
+    assert report.bound_rows(rows)[0]["achieved_speedup"] == pytest.approx(1.5)
     # the bound plot: 2.0x possible, 1.5x achieved (serial 3 ms / concur 2 ms); the run's meta in the PNG
     [bound] = shown
     assert bound["bars"] == {"bound (forward critical path)": [2.0], "achieved (whole step)": [1.5]}
@@ -267,7 +275,7 @@ def test_compile_jobs_run_children_side_by_side_after_what_must_run_alone(monkey
                                  modes=["critical_path", "eager", "compile", "fused:4"], repeats=1, util_seconds=0,
                                  warmup=0, out=tmp_path, image_size=None, inject_failure=[],
                                  shared_compile_cache=False, compile_jobs=2)
-    configs = sweep.make_configs(args)
+    configs = make_configs(args)
     # the bound profiles kernels one by one: nothing may run beside it
     assert [bool(c.get("gpu_lock")) for c in configs] == [False, True, True, True] * 2
     running, events, lock = [], [], threading.Lock()
@@ -279,11 +287,11 @@ def test_compile_jobs_run_children_side_by_side_after_what_must_run_alone(monkey
         time.sleep(0.2)
         with lock:
             running.remove(group[0]["mode"])
-        return [dict(c, key=sweep.config_key(c), status="ok") for c in group]
+        return [dict(c, key=config_key(c), status="ok") for c in group]
 
-    monkeypatch.setattr(sweep, "run_group_in_subprocess", fake_group)
-    rows, launched = sweep.sweep(configs, tmp_path, resume=False, timeout_s=10)
-    assert launched == 8 and sorted(r["key"] for r in rows) == sorted(sweep.config_key(c) for c in configs)
+    monkeypatch.setattr(children, "run_group_in_subprocess", fake_group)
+    rows, launched = children.run_sweep(configs, tmp_path, resume=False, timeout_s=10)
+    assert launched == 8 and sorted(r["key"] for r in rows) == sorted(config_key(c) for c in configs)
     assert [m for m, _ in events[:2]] == ["critical_path", "critical_path"]  # what times alone runs first, alone
     assert max(n for m, n in events if m == "critical_path") == 1
     assert max(n for m, n in events if m != "critical_path") == 2  # the rest overlap, two at a time
@@ -294,25 +302,25 @@ def test_memory_waves_keep_the_largest_children_apart():
         return [dict(batch=batch, precision=precision, mode=f"m{i}") for i in range(modes)]
 
     groups = [group(b, p) for p in ("fp32", "bf16") for b in (8, 32, 64, 128)] * 3
-    waves = sweep.memory_waves(groups, jobs=6)
+    waves = children.memory_waves(groups, jobs=6)
     assert sorted(map(id, (g for w in waves for g in w))) == sorted(map(id, groups))  # each group once
     assert all(len(w) <= 6 for w in waves)
     size = lambda g: g[0]["batch"] * len(g) * (1 if g[0]["precision"] == "bf16" else 2)  # noqa: E731
-    assert all(sum(map(size, w)) <= sweep.WAVE_CAPACITY_PER_80GB for w in waves)
+    assert all(sum(map(size, w)) <= children.WAVE_CAPACITY_PER_80GB for w in waves)
     assert max(sum(1 for g in w if g[0]["batch"] == 128 and g[0]["precision"] == "fp32") for w in waves) == 3
     # a resumed sweep of small batches is not held to a third of its own largest child
     small = [group(64, "bf16") for _ in range(8)]
-    assert [len(w) for w in sweep.memory_waves(small, jobs=8)] == [8]
+    assert [len(w) for w in children.memory_waves(small, jobs=8)] == [8]
     # a child larger than the capacity still runs, alone
     huge = [group(1024, "fp32"), group(8, "bf16")]
-    assert [len(w) for w in sweep.memory_waves(huge, jobs=8)] == [1, 1]
+    assert [len(w) for w in children.memory_waves(huge, jobs=8)] == [1, 1]
 
 
 def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
     import fcntl
 
     path = str(tmp_path / ".gpu.lock")
-    first, second = sweep.GpuTurn(path), sweep.GpuTurn(path)
+    first, second = children.GpuTurn(path), children.GpuTurn(path)
     first.shared()
     second.shared()  # two children compile side by side
     with open(path) as probe:
@@ -324,7 +332,7 @@ def test_gpu_turns_share_while_compiling_and_time_alone(tmp_path):
             fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # nor compiles while one times
         first.release()
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    sweep.GpuTurn(None).exclusive()  # without --compile-jobs: no lock at all
+    children.GpuTurn(None).exclusive()  # without --compile-jobs: no lock at all
 
 
 def test_fp32_channels_last_precision_runs_the_model_channels_last(tmp_path, monkeypatch):
@@ -338,7 +346,7 @@ def test_fp32_channels_last_precision_runs_the_model_channels_last(tmp_path, mon
 
     monkeypatch.setattr("experiments.sweep_models.build", spying_build)
     for precision in ("fp32", "fp32-cl"):
-        row = sweep.run_one(dict(model="branchy:2x8", batch=2, precision=precision, mode="eager", repeats=1,
+        row = measure.run_one(dict(model="branchy:2x8", batch=2, precision=precision, mode="eager", repeats=1,
                                  warmup=0, image_size=16, out=str(tmp_path)))
         assert row["status"] == "ok", row
     assert layouts[0] is False and layouts[-1] is True
@@ -354,8 +362,8 @@ def _args(tmp_path, modes, together, compile_jobs=1):
 def test_modes_timed_together_share_one_child_in_the_order_given(tmp_path):
     args = _args(tmp_path, ["eager", "fused:4", "serial_graph", "compile_graph", "concur_graph:4"],
                  ["compile_graph,fused:4", "serial_graph,concur_graph:4"], compile_jobs=4)
-    configs = sweep.make_configs(args)
-    groups = [[c["mode"] for c in g] for g in sweep.group_configs(configs)]
+    configs = make_configs(args)
+    groups = [[c["mode"] for c in g] for g in group_configs(configs)]
     assert groups == [["eager"], ["compile_graph", "fused:4"], ["serial_graph", "concur_graph:4"]]
     by_mode = {c["mode"]: c for c in configs}
     assert by_mode["fused:4"]["together"] == "compile_graph,fused:4" and by_mode["fused:4"]["rounds"] == 3
@@ -368,7 +376,7 @@ def test_modes_timed_together_share_one_child_in_the_order_given(tmp_path):
 def test_bad_together_sets_are_refused(together, tmp_path, capsys):
     args = ["--cpu-smoke", "--out", str(tmp_path), *[a for t in together for a in ("--together", t)]]
     with pytest.raises(SystemExit):
-        sweep.main(args)
+        main(args)
     assert "--together" in capsys.readouterr().err
 
 
@@ -379,14 +387,14 @@ def test_modes_timed_together_take_turns_and_later_compiles_say_their_cache_was_
         row["setup_s"] = 0.0
         if cfg["mode"] == "compile":
             raise RuntimeError("inductor said no")
-        return sweep.PreparedMode(row, lambda: calls.append(cfg["mode"]), None, model, x, cuda=False)
+        return measure.PreparedMode(row, lambda: calls.append(cfg["mode"]), None, model, x, cuda=False)
 
-    monkeypatch.setattr(sweep, "prepare_mode", fake_prepare)
-    monkeypatch.setattr(sweep, "_model_and_batch", lambda cfg, device: (None, None, None, None))
+    monkeypatch.setattr(measure, "prepare_mode", fake_prepare)
+    monkeypatch.setattr(measure, "model_and_batch", lambda cfg, device: (None, None, None, None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     modes = ["eager", "compile", "eager_streams:2"]
-    cfgs = sweep.make_configs(_args(tmp_path, modes, [",".join(modes)]))
-    rows = {r["mode"]: r for r in sweep.run_interleaved(cfgs)}
+    cfgs = make_configs(_args(tmp_path, modes, [",".join(modes)]))
+    rows = {r["mode"]: r for r in measure.run_interleaved(cfgs)}
     assert rows["compile"]["status"] == "error" and "inductor said no" in rows["compile"]["error"]
     assert "compile_cache" not in rows["eager_streams:2"] or "warm" not in rows["eager_streams:2"]["compile_cache"]
     for mode in ("eager", "eager_streams:2"):  # the failed mode does not stop the others
@@ -398,14 +406,14 @@ def test_modes_timed_together_take_turns_and_later_compiles_say_their_cache_was_
 
 
 def test_a_second_compile_in_a_together_set_is_marked_warm(monkeypatch, tmp_path):
-    monkeypatch.setattr(sweep, "prepare_mode", lambda cfg, row, *a: sweep.PreparedMode(
+    monkeypatch.setattr(measure, "prepare_mode", lambda cfg, row, *a: measure.PreparedMode(
         row, lambda: None, None, None, None, cuda=False))
-    monkeypatch.setattr(sweep, "_model_and_batch", lambda cfg, device: (None, None, None, None))
+    monkeypatch.setattr(measure, "model_and_batch", lambda cfg, device: (None, None, None, None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # so the CUDA modes are not skipped
-    monkeypatch.setattr(sweep, "_time_in_turns", lambda prepared, cfg: None)
-    cfgs = sweep.make_configs(_args(tmp_path, ["fused:4", "compile_graph", "serial_graph"],
+    monkeypatch.setattr(measure, "time_in_turns", lambda prepared, cfg: None)
+    cfgs = make_configs(_args(tmp_path, ["fused:4", "compile_graph", "serial_graph"],
                                     ["fused:4,compile_graph,serial_graph"]))
-    rows = {r["mode"]: r for r in sweep.run_interleaved(cfgs)}
+    rows = {r["mode"]: r for r in measure.run_interleaved(cfgs)}
     assert rows["fused:4"]["compile_cache"] == "cold"
     assert rows["compile_graph"]["compile_cache"] == "warm: compiled after fused:4 in the same process"
     assert "compile_cache" not in rows["serial_graph"]
@@ -414,8 +422,8 @@ def test_a_second_compile_in_a_together_set_is_marked_warm(monkeypatch, tmp_path
 def test_a_together_sweep_on_cpu_times_both_modes_in_one_child(tmp_path):
     args = ["--cpu-smoke", "--models", "branchy:2x8", "--modes", "eager", "eager_streams:2", "--repeats", "4",
             "--together", "eager,eager_streams:2", "--rounds", "2", "--out", str(tmp_path)]
-    assert sweep.main(args) == 0
-    rows = {r["mode"]: r for r in sweep.read_rows(tmp_path / "results.jsonl")}
+    assert main(args) == 0
+    rows = {r["mode"]: r for r in read_rows(tmp_path / "results.jsonl")}
     assert set(rows) == {"eager", "eager_streams:2"}
     for mode, r in rows.items():
         assert r["status"] == "ok" and r["ms"] > 0 and r["rounds"] == 2 and r["torch"] == torch.__version__, r
@@ -440,12 +448,12 @@ def test_rows_keep_concurs_warnings_from_the_setup(tmp_path, monkeypatch):
         return first_step_warns
 
     monkeypatch.setattr(concur, "train_step", warning_train_step)
-    row = sweep.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager_streams:2", repeats=1,
+    row = measure.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager_streams:2", repeats=1,
                              warmup=0, image_size=16, out=str(tmp_path)))
     assert row["status"] == "ok", row
     assert row["warnings"] == ["concur.train_step: built with a caveat",
                                "concur.train_step: capturing the step with 2 stream(s) failed; falling back"]
-    plain = sweep.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager", repeats=1,
+    plain = measure.run_one(dict(model="branchy:2x8", batch=2, precision="fp32", mode="eager", repeats=1,
                                warmup=0, image_size=16, out=str(tmp_path)))
     assert plain["warnings"] == []
 
@@ -458,12 +466,12 @@ def test_a_mode_that_fails_to_be_described_keeps_its_timing(monkeypatch, tmp_pat
         except torch.OutOfMemoryError as exc:
             raise RuntimeError("ShapeProp error for: node=%conv") from exc
 
-    monkeypatch.setattr(sweep, "describe_mode", out_of_memory_inside_shape_prop)
-    cfgs = sweep.make_configs(_args(tmp_path, ["eager", "eager_streams:2"], ["eager,eager_streams:2"]))
+    monkeypatch.setattr(measure, "describe_mode", out_of_memory_inside_shape_prop)
+    cfgs = make_configs(_args(tmp_path, ["eager", "eager_streams:2"], ["eager,eager_streams:2"]))
     for cfg in cfgs:
         cfg.update(model="branchy:2x8", batch=2, image_size=16)
-    rows = sweep.run_interleaved(cfgs)
-    single = sweep.run_one(dict(cfgs[0], repeats=1, warmup=0))
+    rows = measure.run_interleaved(cfgs)
+    single = measure.run_one(dict(cfgs[0], repeats=1, warmup=0))
     for r in rows + [single]:
         assert r["status"] == "ok" and r["ms"] > 0, r
         assert r["describe_error"].startswith("OutOfMemoryError: CUDA out of memory"), r["describe_error"]
@@ -477,13 +485,13 @@ def test_error_rows_name_the_root_cause_of_a_wrapped_exception():
         except torch.OutOfMemoryError as exc:
             raise RuntimeError("ShapeProp error for: node=%conv") from exc
     except RuntimeError as exc:
-        fields = sweep._error_fields(exc)
+        fields = measure.error_fields(exc)
     assert fields["status"] == "error"
     assert fields["error"] == "OutOfMemoryError: CUDA out of memory (raised as RuntimeError: ShapeProp error for: node=%conv)"
     try:
         raise ValueError("plain")
     except ValueError as exc:
-        assert sweep._error_fields(exc)["error"] == "ValueError: plain"
+        assert measure.error_fields(exc)["error"] == "ValueError: plain"
 
 
 def test_combine_makes_one_run_of_parts_and_never_overwrites_a_measured_run(tmp_path, capsys):
@@ -500,21 +508,21 @@ def test_combine_makes_one_run_of_parts_and_never_overwrites_a_measured_run(tmp_
     first = part("day1", [row("eager", 9.0, "2026-11-22"), row("serial_graph", 5.0, "2026-11-22")])
     second = part("day2", [row("serial_graph", 4.0, "2026-11-23"), row("fused:4", 2.0, "2026-11-23")])
     out = tmp_path / "full"
-    assert sweep.main(["--combine", str(first), str(second), "--out", str(out)]) == 0
-    rows = {r["mode"]: r for r in sweep.read_rows(out / "results.jsonl")}
+    assert main(["--combine", str(first), str(second), "--out", str(out)]) == 0
+    rows = {r["mode"]: r for r in read_rows(out / "results.jsonl")}
     assert {m: (r["ms"], r["date"], r["source"]) for m, r in rows.items()} == {
         "eager": (9.0, "2026-11-22", str(first)), "serial_graph": (4.0, "2026-11-23", str(second)),
         "fused:4": (2.0, "2026-11-23", str(second))}
     summary = (out / "summary.md").read_text()
     assert f"- `{first}`: 1 rows, 2026-11-22" in summary and "2026-11-22 + 2026-11-23" in summary
-    assert sweep.main(["--combine", str(first), "--out", str(out)]) == 0  # a union may be redone
-    assert len(sweep.read_rows(out / "results.jsonl")) == 2
+    assert main(["--combine", str(first), "--out", str(out)]) == 0  # a union may be redone
+    assert len(read_rows(out / "results.jsonl")) == 2
     with pytest.raises(SystemExit):  # not into the default run directory
-        sweep.main(["--combine", str(first)])
+        main(["--combine", str(first)])
     assert "--combine needs --out" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="holds measured rows"):
-        sweep.main(["--combine", str(first), "--out", str(second)])
-    assert len(sweep.read_rows(second / "results.jsonl")) == 2  # untouched
+        main(["--combine", str(first), "--out", str(second)])
+    assert len(read_rows(second / "results.jsonl")) == 2  # untouched
 
 
 def test_the_mode_table_puts_every_mode_side_by_side():
@@ -524,8 +532,8 @@ def test_the_mode_table_puts_every_mode_side_by_side():
     rows = [row("g", 8, "compile_graph", 3.0), row("g", 8, "fused:4", 2.5), row("g", 8, "eager", 20.0),
             row("g", 64, "compile_graph", 9.0), row("g", 64, "fused:4", status="error"),
             row("g", 64, "critical_path", 0.0)]
-    lines = sweep.mode_table_markdown(rows)
+    lines = report.mode_table_markdown(rows)
     assert lines[3] == "| model | precision | batch | eager | compile_graph | fused:4 | best concur / best alternative |"
     assert lines[5] == "| g | bf16 | 8 | 20.00 | 3.00 | 2.50 | 1.20x (fused:4 / compile_graph) |"
     assert lines[6] == "| g | bf16 | 64 | - | 9.00 | error |  |"
-    assert sweep.mode_table_markdown([]) == []
+    assert report.mode_table_markdown([]) == []

@@ -1,0 +1,57 @@
+r"""Sweep models x batch sizes x precisions x modes; one subprocess per configuration, resumable.
+
+    python -m experiments.sweep                                   # everything, on the GPU
+    python -m experiments.sweep --models googlenet branchy:8x64 --batches 8 64 --precisions bf16
+    python -m experiments.sweep --out experiments/results/2026-12-01-h100 --resume
+    python -m experiments.sweep --cpu-smoke --out /tmp/smoke       # tiny nets on CPU: plumbing only
+    python -m experiments.sweep --models googlenet --modes compile_graph fused:4 \
+        --together compile_graph,fused:4 --compile-jobs 6          # the two timed in turns, one child
+
+Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
+
+    eager               the plain loop (zero_grad, forward under autocast, backward, step)
+    eager_streams:K     concur's plan on K streams without a graph (train_step, cuda_graph=False)
+    serial_graph        whole-step CUDA graph, one stream (train_step streams=1)
+    concur_graph:K      whole-step CUDA graph with K streams; concur_graph:auto uses streams="auto"
+    compile             torch.compile(model) in the plain loop
+    compile_graph       torch.compile + whole-step CUDA graph (train_step streams=1, compile=True)
+    reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
+                        torch.compiler.cudagraph_mark_step_begin() before each step
+    fused:K             concur's torch.compile backend on K streams + whole-step graph
+                        (inductor's kernels placed on streams after fusion; rows before
+                        2026-11-23 17:00 UTC cut each graph into segments, see compiled_graphs)
+    fused_fresh:K       fused with buffer_reuse=False: inductor gives every buffer its own memory,
+                        so no reuse chains independent branches (measured on the H100 2026-11-23:
+                        never slower than fused; not yet concur's default)
+    critical_path       not a step time: profiles the forward op by op and reports the
+                        longest dependency path of the measured kernel times (the bound)
+
+Every compiling configuration runs in its own ``python -m experiments.sweep --one '<json>'``;
+the other modes of one model, batch and precision share one child
+(``--group``), which saves an interpreter start, a CUDA context and a model
+build per mode. A crash, an OOM or a hang (``--timeout-per-config``) is
+recorded against the configuration it hit, the rest of its group runs again
+one per child, and the sweep goes on; a mode that raises is a result too. Results are appended to
+``results.jsonl`` as they come; ``--resume`` skips configurations already there.
+
+``--together serial_graph,concur_graph:4`` sets up those modes of each model,
+batch and precision in one child and times them in alternating rounds, so
+that the ratio of two modes does not depend on the minute each was timed in.
+``--compile-jobs N`` runs N children at once, in waves that keep their memory
+apart: they compile and capture side by side and take turns to time, each
+alone on the GPU (a file lock).
+At the end ``results.json``, ``results.csv``, ``summary.md`` and PNG plots are
+written; each names the date, GPU, driver and torch version.
+Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
+"""
+
+# One job per module:
+#   configs.py   the modes, precisions and defaults; the configurations to run and which share a child
+#   children.py  the parent: children in subprocesses, in memory waves, taking turns on the GPU (GpuTurn)
+#   measure.py   inside a child: set each mode up, time it, describe it, print its row
+#   timing.py    the timed steps of a child: CUDA events (wall clock on CPU), rounds in turns, NVML
+#   bounds.py    the critical-path bound from a profiler trace of the forward pass, node by node
+#   rows.py      results.jsonl and the meta (date, GPU, versions) every row carries
+#   report.py    results.json / .csv, summary.md and the plots
+#   combine.py   one run as the union of runs measured in parts
+#   cli.py       the command line (``python -m experiments.sweep``, which the children re-invoke)

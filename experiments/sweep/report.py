@@ -1,0 +1,251 @@
+"""The reports of a run: results.json and .csv, summary.md with its tables, and the PNG plots.
+
+Every file names the run's date, GPU, driver and torch version (in its
+title, or in the PNG's metadata), so a figure read on its own says where it
+was measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from experiments.sweep.configs import ALL_MODES, CONCUR_MODES, file_stem, mode_kind
+
+
+def meta_line(meta: dict) -> str:
+    """Return the run's date, GPU, driver and torch on one line: the title of every table and plot."""
+    return f"{meta['date']}, {meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}"
+
+
+def best_speedups(rows: list[dict]) -> list[dict]:
+    """Per (model, precision, batch): best concur mode time, best alternative, and their ratio."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("ms"):
+            groups.setdefault((r["model"], r["precision"], r["batch"]), []).append(r)
+    for (model, precision, batch), rs in sorted(groups.items()):
+        ours = [r for r in rs if mode_kind(r["mode"]) in CONCUR_MODES]
+        alts = [r for r in rs if mode_kind(r["mode"]) not in CONCUR_MODES]
+        if ours and alts:
+            o, a = min(ours, key=lambda r: r["ms"]), min(alts, key=lambda r: r["ms"])
+            out.append(dict(model=model, precision=precision, batch=batch, concur_mode=o["mode"], concur_ms=o["ms"],
+                            best_alternative=a["mode"], alternative_ms=a["ms"], speedup=a["ms"] / o["ms"]))
+    return out
+
+
+def bound_rows(rows: list[dict]) -> list[dict]:
+    """Per (model, precision, batch) with a critical_path row: bound vs achieved (concur graph vs serial graph)."""
+    out = []
+    for cp in (r for r in rows if r["mode"] == "critical_path" and r.get("status") == "ok"):
+        same = [r for r in rows if (r["model"], r["precision"], r["batch"]) == (cp["model"], cp["precision"], cp["batch"])
+                and r.get("status") == "ok" and r.get("ms")]
+        serial = next((r for r in same if r["mode"] == "serial_graph"), None)
+        graphs = [r for r in same if r["mode"].startswith("concur_graph")]
+        achieved = serial["ms"] / min(r["ms"] for r in graphs) if serial and graphs else None
+        out.append(dict(model=cp["model"], precision=cp["precision"], batch=cp["batch"],
+                        fwd_serial_us=cp["fwd_serial_us"], fwd_critical_path_us=cp["fwd_critical_path_us"],
+                        bound_speedup=cp["bound_speedup"], achieved_speedup=achieved,
+                        achieved_over_bound=achieved / cp["bound_speedup"] if achieved else None))
+    return out
+
+
+def write_reports(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """Write results.json, results.csv, summary.md and speedup plots; return their paths."""
+    written = []
+    path = out / "results.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    written.append(path)
+
+    path = out / "results.csv"
+    skip = {"traceback", "stderr_tail"}
+    fields = ["date", "gpu", "driver", "torch"] + sorted({k for r in rows for k in r} - skip - {"date", "gpu", "driver", "torch"})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: meta[k] for k in ("date", "gpu", "driver", "torch")}, **r})
+    written.append(path)
+
+    written += plot_speedups(rows, meta, out)
+    written += plot_bounds(rows, meta, out)
+    written += plot_utilization_timelines(rows, meta, out)
+    path = out / "summary.md"
+    path.write_text(summary_markdown(rows, meta, [p.name for p in written if p.suffix == ".png"]))
+    written.append(path)
+    return written
+
+
+def mode_table_markdown(rows: list[dict]) -> list[str]:
+    """Step time (ms) of every mode side by side, a line per model, precision and batch; then the best ratio.
+
+    A mode that failed shows ``error``; one not run, ``-``. The last column is
+    the best concur mode over the best alternative, as in ``best_speedups``.
+    """
+    timed = [r for r in rows if r.get("mode") != "critical_path"]
+    present = {r["mode"] for r in timed}
+    modes = [m for m in ALL_MODES if m in present] + sorted(present - set(ALL_MODES))
+    if not modes:
+        return []
+    cell = {(r["model"], r["precision"], r["batch"], r["mode"]): r for r in timed}
+    best = {(b["model"], b["precision"], b["batch"]): b for b in best_speedups(rows)}
+    lines = ["", "## Step time per mode (ms)", "",
+             f"| model | precision | batch | {' | '.join(modes)} | best concur / best alternative |",
+             "|---|---|---|" + "---|" * (len(modes) + 1)]
+    for key in sorted({k[:3] for k in cell}):
+        values = []
+        for m in modes:
+            r = cell.get((*key, m))
+            values.append("-" if r is None else f"{r['ms']:.2f}" if r.get("ms") else r.get("status", "?").split(":")[0])
+        b = best.get(key)
+        ratio = f"{b['speedup']:.2f}x ({b['concur_mode']} / {b['best_alternative']})" if b else ""
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {' | '.join(values)} | {ratio} |")
+    return lines
+
+
+def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
+    """Return the Markdown summary: every configuration, the speedups, the bounds, the failures."""
+    lines = [f"# Sweep: {meta_line(meta)}", "",
+             f"CUDA {meta.get('cuda')}, concur {meta.get('concur')}. {len(rows)} configurations; "
+             "times are medians with the interquartile range; speedups compare modes of the same sweep.", ""]
+    sources: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("source"):
+            sources.setdefault(r["source"], []).append(r)
+    if sources:
+        lines += ["Combined from these runs (`--combine`; the later wins where both measured a configuration):", "",
+                  *[f"- `{src}`: {len(rs)} rows, {' + '.join(sorted({str(r.get('date')) for r in rs}))}"
+                    for src, rs in sources.items()], ""]
+    lines += ["| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["batch"], r["mode"])):
+        status = r.get("status", "")
+        ms = f"{r['ms']:.2f} ({r['iqr_ms']:.2f})" if r.get("ms") else ""
+        lines.append(f"| {r['model']} | {r['precision']} | {r['batch']} | {r['mode']} | {status} | {ms} | "
+                     f"{num(r.get('setup_s'), '.1f')}{'*' if r.get('compile_jobs') else ''} | "
+                     f"{num(r.get('peak_mb'), '.0f')} | "
+                     f"{num(r.get('util_percent'), '.0f')} | {num(r.get('predicted_speedup'), '.2f')} |")
+    if any(r.get("compile_jobs") for r in rows):
+        lines += ["", "\\* compiled beside other configurations (`--compile-jobs`): not a lone compile time; "
+                  "step times were measured alone."]
+    lines += mode_table_markdown(rows)
+    best = best_speedups(rows)
+    if best:
+        lines += ["", "## Best concur mode vs best alternative", "",
+                  "| model | precision | batch | concur mode | ms | best alternative | ms | speedup |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['model']} | {b['precision']} | {b['batch']} | {b['concur_mode']} | {b['concur_ms']:.2f} | "
+                  f"{b['best_alternative']} | {b['alternative_ms']:.2f} | {b['speedup']:.2f}x |" for b in best]
+    bounds = bound_rows(rows)
+    if bounds:
+        lines += ["", "## Critical-path bound (forward DAG, measured kernel times)", "",
+                  "The bound is the forward pass's serial kernel time over its longest dependency path; "
+                  "achieved is serial graph over the best concur graph, for the whole step.", "",
+                  "| model | precision | batch | fwd serial µs | critical path µs | bound | achieved | achieved/bound |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['model']} | {b['precision']} | {b['batch']} | {b['fwd_serial_us']:.0f} | "
+                  f"{b['fwd_critical_path_us']:.0f} | {b['bound_speedup']:.2f}x | {num(b['achieved_speedup'], '.2f')} | "
+                  f"{num(b['achieved_over_bound'], '.2f')} |" for b in bounds]
+    errors = [r for r in rows if r.get("status") == "error"]
+    if errors:
+        lines += ["", "## Failures (results, not the end of the sweep)", ""]
+        lines += [f"- `{r['key']}`: {r['error'][:300]}" for r in errors]
+    lines += ["", *[f"![{p}]({p})" for p in plots], ""]
+    return "\n".join(lines)
+
+
+def save_figure(fig: Any, path: Path, meta: dict) -> Path:
+    """Save a figure with the run's date, GPU, driver and torch in its PNG metadata, then close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, metadata={"Description": json.dumps(meta)})
+    plt.close(fig)
+    return path
+
+
+def plot_speedups(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """Plot, per precision, best concur mode over best alternative vs batch size, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = best_speedups(rows)
+    paths = []
+    for precision in sorted({b["precision"] for b in best}):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for model in sorted({b["model"] for b in best if b["precision"] == precision}):
+            pts = sorted((b["batch"], b["speedup"]) for b in best if (b["model"], b["precision"]) == (model, precision))
+            ax.plot(*zip(*pts), marker="o", label=model)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup: best concur mode / best alternative")
+        ax.set_title(f"{precision}: {meta_line(meta)}", fontsize=9)
+        ax.legend(fontsize=8)
+        paths.append(save_figure(fig, out / f"speedup_{precision}.png", meta))
+    return paths
+
+
+def plot_bounds(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """Achieved speedup (serial graph / best concur graph) beside the critical-path bound, per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounds = [b for b in bound_rows(rows) if b["achieved_speedup"]]
+    if not bounds:
+        return []
+    fig, ax = plt.subplots(figsize=(max(7, 0.32 * len(bounds)), 4.5))
+    labels = [f"{b['model']} {b['precision']} b{b['batch']}" for b in bounds]
+    xs = range(len(bounds))
+    ax.bar([x - 0.2 for x in xs], [b["bound_speedup"] for b in bounds], 0.4, label="bound (forward critical path)")
+    ax.bar([x + 0.2 for x in xs], [b["achieved_speedup"] for b in bounds], 0.4, label="achieved (whole step)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(xs), labels, rotation=75, fontsize=7)
+    ax.set_ylabel("speedup over the serial CUDA graph")
+    ax.set_title(f"time vs bound: {meta_line(meta)}", fontsize=9)
+    ax.legend(fontsize=8)
+    return [save_figure(fig, out / "bound.png", meta)]
+
+
+def plot_utilization_timelines(rows: list[dict], meta: dict, out: Path) -> list[Path]:
+    """NVML utilization over the timed steps, one line per mode, per model and precision at one batch.
+
+    The smallest batch is drawn: that is where a step is launch-bound and the
+    modes differ most in how busy they keep the GPU. Each mode's timed phase
+    becomes one phase of a merged record, placed after the previous mode's.
+    """
+    from dataclasses import replace
+
+    from concur.observe.monitor import Mark, MonitorRecord
+    from concur.observe.report import plot_utilization
+
+    paths = []
+    saved = [r for r in rows if r.get("util_timeline") and Path(r["util_timeline"]).exists()]
+    for model, precision in sorted({(r["model"], r["precision"]) for r in saved}):
+        mine = [r for r in saved if (r["model"], r["precision"]) == (model, precision)]
+        batch = min(r["batch"] for r in mine)
+        records, samples, utilization, marks, offset = [], [], [], [], 0.0
+        for r in sorted((r for r in mine if r["batch"] == batch), key=lambda r: r["mode"]):
+            rec = MonitorRecord.load(r["util_timeline"])
+            timed = rec.phases()[-1][1] if rec.marks else 0.0
+            shift = offset - timed
+            samples += [replace(x, t_s=x.t_s + shift) for x in rec.samples if x.t_s >= timed]
+            utilization += [replace(u, t_s=u.t_s + shift) for u in rec.utilization if u.t_s >= timed - 0.2]
+            marks.append(Mark(offset, r["mode"]))
+            offset += max(rec.duration_s - timed, 0.25)
+            records.append(rec)
+        if not samples:
+            continue
+        merged = replace(records[0], samples=samples, utilization=utilization, marks=marks, duration_s=offset)
+        path = plot_utilization(merged, f"{model} {precision} b{batch}",
+                                out / f"util_{file_stem(model)}_{precision}_b{batch}.png")
+        if path:
+            paths.append(path)
+    return paths
