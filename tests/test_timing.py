@@ -1,4 +1,4 @@
-"""concur.timing: warm-up calls are not timed, median and interquartile range, the CUDA path with fake events."""
+"""concur.observe.timing: warm-up calls are not timed, torch's median and IQR, the CUDA path with fake events."""
 
 from __future__ import annotations
 
@@ -19,9 +19,18 @@ def test_wall_times_skip_the_warm_up_and_time_each_repeat(monkeypatch):
 
 
 def test_median_and_interquartile_range():
-    # quartiles by the "exclusive" method: at positions 1.5 and 4.5 of 5 -> 1.5 and 52.0
-    assert timing.median_and_iqr([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 52.0 - 1.5)
+    # torch.utils.benchmark's quartiles, interpolated linearly: at positions 1 and 3 of 0..4 -> 2.0 and 4.0
+    assert timing.median_and_iqr([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0)
+    assert timing.median_and_iqr([4.0, 1.0, 3.0, 2.0]) == (2.5, 3.25 - 1.75)
     assert timing.median_and_iqr([5.0]) == (5.0, 0.0)
+
+
+def test_the_statistics_are_torch_benchmarks_measurement_in_the_unit_given():
+    from torch.utils.benchmark import Measurement
+
+    m = timing.summarize([2.0, 4.0, 3.0], label="step")
+    assert isinstance(m, Measurement) and m.task_spec.stmt == "step"
+    assert (m.median, m.iqr, m.mean) == (3.0, 1.0, 3.0)  # milliseconds stay milliseconds: one call per time
 
 
 def test_time_wall_ms_reports_the_median_of_real_work():
@@ -48,5 +57,5 @@ def test_cuda_times_use_events_around_each_repeat(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
-    assert timing.time_cuda_ms(lambda: calls.append("step"), warmup=2, repeats=3) == (2.0, pytest.approx(2.0))
+    assert timing.time_cuda_ms(lambda: calls.append("step"), warmup=2, repeats=3) == (2.0, pytest.approx(1.0))
     assert calls == ["step", "step", "sync", "step", "step", "step"]  # warm-up, then one sync, then timed

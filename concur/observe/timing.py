@@ -1,12 +1,21 @@
-"""Time work with CUDA events (GPU) or the wall clock (CPU): warm-up first, then median and spread."""
+"""Time work with CUDA events (GPU) or the wall clock (CPU): warm-up first, then median and spread.
+
+Each call is timed between two CUDA events on its stream, so no host
+synchronize falls inside a timed interval (``torch.utils.benchmark.Timer``
+reads the host clock around one); the statistics over those times are
+``torch.utils.benchmark``'s :class:`~torch.utils.benchmark.Measurement`
+(:func:`summarize`).
+"""
 
 from __future__ import annotations
 
-import statistics
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils.benchmark import Measurement
 
 
 def cuda_times_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> list[float]:
@@ -37,10 +46,22 @@ def wall_times_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) 
     return times
 
 
+def summarize(times_ms: list[float], label: str = "") -> Measurement:
+    """Return ``torch.utils.benchmark``'s Measurement of times taken one call each (ms, not its seconds).
+
+    Its ``median`` and ``iqr`` (quartiles interpolated linearly, as numpy's
+    default) are in the unit of the times given.
+    """
+    # Imported here: torch.utils.benchmark imports cpp_extension, which logs a warning on a machine without CUDA.
+    from torch.utils.benchmark import Measurement, TaskSpec
+
+    return Measurement(number_per_run=1, raw_times=list(times_ms), task_spec=TaskSpec(stmt=label, setup=""))
+
+
 def median_and_iqr(times: list[float]) -> tuple[float, float]:
-    """Return the median and the interquartile range of a list of times."""
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return statistics.median(times), q[2] - q[0]
+    """Return the median and the interquartile range of a list of times, in their unit."""
+    m = summarize(times)
+    return m.median, m.iqr
 
 
 def time_cuda_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> tuple[float, float]:

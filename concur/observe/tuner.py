@@ -58,7 +58,13 @@ class Config:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Step time of ``repeats`` timed steps: median and interquartile range (ms)."""
+    """Step time of ``repeats`` timed steps: median and interquartile range (ms).
+
+    The timer computes both (by default :func:`concur.observe.timing.time_cuda_ms`,
+    whose statistics are ``torch.utils.benchmark``'s); this record adds what the
+    search needs and torch does not give, the noise of the median
+    (:attr:`stderr_ms`), and is what the cache and ``concur report`` store.
+    """
 
     median_ms: float
     iqr_ms: float
