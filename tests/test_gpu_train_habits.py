@@ -189,3 +189,27 @@ def test_a_saved_graph_step_resumes_the_same_run_in_float64():
     assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-9, (got, expected)
     for p, q in zip(step.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_high_priority_capture_trains_as_the_plain_loop_in_float64(compile):
+    """``stream_priority=True``: captured on a high-priority stream; with compile, weight gradients split."""
+    torch.manual_seed(0)
+    model = WideNet(branches=6).cuda().double().train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, device="cuda", dtype=torch.float64, generator=g),
+                torch.randint(0, 10, (4,), device="cuda", generator=g)) for _ in range(12)]
+    sc = Scenario(_sgd(0.05))
+    opt = sc.make_opt(model)
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4, stream_priority=True, compile=compile)
+    losses = torch.tensor([step(x, y).item() for x, y in batches], dtype=torch.float64)
+    expected = plain_loop(ref, sc, batches)
+    least, greatest = torch.cuda.Stream.priority_range()
+    assert step._runner._capture_stream is not None and step._runner._capture_stream.priority == greatest < least
+    if compile:
+        backward = [gr for gr in step.backends[4].graphs if gr.is_backward]
+        assert backward and all(gr.convolutions_split > 0 for gr in backward), backward
+    deviation = ((losses - expected).abs() / expected.abs()).max().item()
+    print(f"priority compile={compile}: loss deviation {deviation:.2e}")
+    assert deviation <= 1e-9

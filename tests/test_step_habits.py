@@ -120,7 +120,7 @@ class EmulatedGraphs:
 def graphs(monkeypatch):
     """Make train_step take the graph path on CPU; yields the emulation (its ``captures`` count)."""
     runner = EmulatedGraphs()
-    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda: runner)
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
     return runner
 
 

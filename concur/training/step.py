@@ -59,6 +59,9 @@ BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
 log = logging.getLogger("concur")
 
+# torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
+HIGHEST_PRIORITY = -100
+
 
 def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
@@ -146,7 +149,18 @@ class _Snapshot:
 
 
 class _CudaGraphs:
-    """Capture and replay with ``torch.cuda.CUDAGraph``; warm-up on a side stream, as torch's docs prescribe."""
+    """Capture and replay with ``torch.cuda.CUDAGraph``; warm-up on a side stream, as torch's docs prescribe.
+
+    With ``priority`` the step is captured on a stream of the highest
+    priority. Stream 0 of every plan is the stream it is called on, and the
+    critical-path scheduler keeps the longest path there, so that path's
+    kernels (and the graph keeps each kernel's priority) win SMs over the side
+    streams', which have the default, lowest priority.
+    """
+
+    def __init__(self, priority: bool = False):
+        self.priority = priority
+        self._capture_stream: torch.cuda.Stream | None = None
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
@@ -158,7 +172,9 @@ class _CudaGraphs:
 
     def capture(self, body: Callable[[], torch.Tensor], step: "TrainStep") -> tuple[Any, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if self.priority and self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
+        with torch.cuda.graph(graph, stream=self._capture_stream):
             out = body()
         return graph, out
 
@@ -169,9 +185,9 @@ class _CudaGraphs:
         torch.cuda.empty_cache()
 
 
-def _graph_runner(on_cuda: bool) -> _CudaGraphs | None:
+def _graph_runner(on_cuda: bool, priority: bool = False) -> _CudaGraphs | None:
     """The capture machinery for these inputs: CUDA graphs, or None (eager). CPU tests swap in an emulation."""
-    return _CudaGraphs() if on_cuda else None
+    return _CudaGraphs(priority) if on_cuda else None
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -216,9 +232,11 @@ class TrainStep:
                  amp_dtype: torch.dtype | None = None,
                  grad_scaler: "torch.amp.GradScaler | None" = None,
                  compile_options: dict[str, Any] | None = None,
-                 accumulate: int = 1, before_step: BeforeStep | None = None):
+                 accumulate: int = 1, before_step: BeforeStep | None = None, stream_priority: bool = False):
         self._arguments = (model, loss_fn, optimizer, example_batch, streams, cuda_graph, scheduler, max_graphs,
-                           warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step)
+                           warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
+                           stream_priority)
+        self.stream_priority = stream_priority
         inputs, _ = example_batch
         self.compile_options = dict(compile_options or {})
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
@@ -235,7 +253,7 @@ class TrainStep:
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
         self._module(streams)
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
-        self._runner = _graph_runner(on_cuda) if cuda_graph else None
+        self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
         if cuda_graph and self._runner is None:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
                           "in issue order (same results as the plain loop).", stacklevel=3)
@@ -559,7 +577,8 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
                amp_dtype: torch.dtype | None = None,
                grad_scaler: "torch.amp.GradScaler | None" = None, scheduler: str = "critical_path",
                max_graphs: int = 4, warmup: int = 3, compile_options: dict[str, Any] | None = None,
-               accumulate: int = 1, before_step: BeforeStep | None = None) -> TrainStep:
+               accumulate: int = 1, before_step: BeforeStep | None = None,
+               stream_priority: bool = False) -> TrainStep:
     """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
 
     ``example_batch`` is ``(inputs, targets)``; inputs are a tensor or a tuple
@@ -590,6 +609,10 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     call starts from zero gradients. Under graphs each position of the cycle
     (first, middle, last) has its own graph; all accumulate into the same
     gradient tensors, which ``p.grad`` shows after each call.
+
+    ``stream_priority=True`` captures the step on a stream of the highest
+    priority, where every plan keeps its critical path; side streams keep the
+    default, lowest priority, so their kernels yield SMs to the path's.
 
     ``compile=True`` runs the model through ``torch.compile`` with the concur
     backend (:mod:`concur.inductor.backend`): inductor's fused kernels on the streams,
@@ -632,7 +655,8 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     if compile_options and not compile:
         raise ValueError("compile_options are options of the torch.compile backend: pass compile=True too")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
-                     max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step)
+                     max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
+                     stream_priority)
 
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
