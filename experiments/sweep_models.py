@@ -5,6 +5,7 @@
                                         conv branches of ``width`` channels per block
     nascell[:<width>]                   NASNet/DARTS-style cells with a fixed genotype (no
                                         data-dependent control flow, so fx traces it whole)
+    torchvision:NAME, timm:NAME         any model of concur.zoo, at the input size it is made for
 
 The synthetic nets exist to vary one thing at a time: how many independent
 branches a block offers, and how much work each branch is. A block is
@@ -163,8 +164,13 @@ def build(name: str) -> tuple[nn.Module, int]:
     if name == "nascell" or name.startswith("nascell:"):
         width = int(name.split(":", 1)[1]) if ":" in name else 32
         return NASCellNet(width), SYNTHETIC_IMAGE_SIZE
+    if name.startswith(("torchvision:", "timm:")):  # any zoo model, at the input size it is made for
+        from concur import zoo
+
+        made = zoo.load(name)
+        return made.model, made.image_size
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(TORCHVISION_MODELS)}, "
-                     "branchy:<branches>x<width> (e.g. branchy:8x64), nascell[:<width>]")
+                     "branchy:<branches>x<width> (e.g. branchy:8x64), nascell[:<width>], torchvision:NAME, timm:NAME")
 
 
 BUILDERS: dict[str, Callable[[], tuple[nn.Module, int]]] = {

@@ -17,12 +17,13 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     compile_graph       torch.compile + whole-step CUDA graph (train_step streams=1, compile=True)
     reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
                         torch.compiler.cudagraph_mark_step_begin() before each step
-    fused:K             concur's torch.compile backend on K streams + whole-step graph
-                        (inductor's kernels placed on streams after fusion; rows before
-                        2026-11-23 17:00 UTC cut each graph into segments, see compiled_graphs)
-    fused_fresh:K       fused with buffer_reuse=False: inductor gives every buffer its own memory,
-                        so no reuse chains independent branches (measured on the H100 2026-11-23:
-                        never slower than fused; not yet concur's default)
+    fused:K             concur's torch.compile backend on K streams + whole-step graph, with its
+                        defaults (inductor's kernels placed on streams after fusion, no buffer
+                        reuse, backward convolutions split into input and weight parts)
+    fused_reuse:K       fused with buffer_reuse=True (inductor's memory footprint)
+    fused_nosplit:K     fused with split_weight_grads=False (AOTAutograd's joint convolution backward)
+    fused_prio:K        fused, the step captured on a highest-priority stream (stream_priority=True)
+    fused_fresh:K       buffer_reuse=False, named apart in rows measured while reuse was the default
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
 
@@ -40,7 +41,7 @@ that the ratio of two modes does not depend on the minute each was timed in.
 ``--compile-jobs N`` runs N children at once, in waves that keep their memory
 apart: they compile and capture side by side and take turns to time, each
 alone on the GPU (a file lock).
-At the end ``results.json``, ``results.csv``, ``summary.md`` and PNG plots are
+At the end ``summary.md`` and PNG plots are
 written; each names the date, GPU, driver and torch version.
 Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
 """
@@ -52,6 +53,6 @@ Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
 #   timing.py    the timed steps of a child: CUDA events (wall clock on CPU), rounds in turns, NVML
 #   bounds.py    the critical-path bound from a profiler trace of the forward pass, node by node
 #   rows.py      results.jsonl and the meta (date, GPU, versions) every row carries
-#   report.py    results.json / .csv, summary.md and the plots
+#   report.py    summary.md and the plots
 #   combine.py   one run as the union of runs measured in parts
 #   cli.py       the command line (``python -m experiments.sweep``, which the children re-invoke)

@@ -132,7 +132,7 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
                                  compile=kind == "compile_graph" or kind in FUSED_MODES, amp_dtype=amp_dtype,
-                                 compile_options=FUSED_OPTIONS.get(kind))
+                                 compile_options=FUSED_OPTIONS.get(kind), stream_priority=kind == "fused_prio")
         return (lambda: step(x, y)), step
 
     # concur's warnings (e.g. "capturing with 4 streams failed, 1 stream") go into the row
@@ -177,7 +177,9 @@ def compiled_graphs(step: Any) -> list[dict]:
     # "strategy" and "segments" keep the keys of rows made when graphs could be cut into segments
     return [dict(backward=g.is_backward, strategy="kernels", segments=g.num_launches, streams=g.num_streams,
                  waits=g.num_waits, barriers=g.num_barriers, fallback=g.fallback_reason,
-                 ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4))
+                 ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4),
+                 one_stream=g.one_stream_reason, convolutions_split=g.convolutions_split,
+                 weight_grad_ops=g.weight_grad_ops)
             for backend in step.backends.values() for g in backend.graphs]
 
 

@@ -1,4 +1,4 @@
-"""The reports of a run: results.json and .csv, summary.md with its tables, and the PNG plots.
+"""The reports of a run: summary.md with its tables, and the PNG plots (the rows stay in results.jsonl).
 
 Every file names the run's date, GPU, driver and torch version (in its
 title, or in the PNG's metadata), so a figure read on its own says where it
@@ -7,7 +7,6 @@ was measured.
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -54,22 +53,12 @@ def bound_rows(rows: list[dict]) -> list[dict]:
 
 
 def write_reports(rows: list[dict], meta: dict, out: Path) -> list[Path]:
-    """Write results.json, results.csv, summary.md and speedup plots; return their paths."""
-    written = []
-    path = out / "results.json"
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
-    written.append(path)
+    """Write summary.md and the plots; return their paths.
 
-    path = out / "results.csv"
-    skip = {"traceback", "stderr_tail"}
-    fields = ["date", "gpu", "driver", "torch"] + sorted({k for r in rows for k in r} - skip - {"date", "gpu", "driver", "torch"})
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({**{k: meta[k] for k in ("date", "gpu", "driver", "torch")}, **r})
-    written.append(path)
-
+    The rows themselves stay in results.jsonl only: a copy as JSON or CSV
+    would double what travels with the tree (experiments/results/README.md).
+    """
+    written: list[Path] = []
     written += plot_speedups(rows, meta, out)
     written += plot_bounds(rows, meta, out)
     written += plot_utilization_timelines(rows, meta, out)
