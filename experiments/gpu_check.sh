@@ -14,6 +14,9 @@
 #                  the tuner and DDP tests, the fused sanitizer runs (5 models, reuse on and off) and
 #                  examples/train.py with graphs (2 epochs, then resumed for the third); one line each in
 #                  $OUT/final.txt, logs packed in $OUT/final_logs.tgz
+#   check22        in parallel processes: the fused envelope (5 models) and sanitizer (3 models) with the
+#                  backend's defaults (gate, weight-gradient split, no reuse), and the train_step habits of the
+#                  branchy net incl. stream_priority; one line each in $OUT/check22.txt, logs in $OUT/check22_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
 #                  greps its source and packs torch/_inductor's top-level modules to $OUT/inductor_src.tgz
 #   capture-wrappers  golden wrappers + scheduler oracle (experiments/capture_wrappers.py), 6 in parallel,
@@ -82,6 +85,24 @@ for step in "$@"; do
                echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|error\|sanitized run finished\|epoch" "$log" | tail -3 | tr '\n' ' ' | cut -c1-400)"
              done | sort | tee "$OUT/final.txt"
              tar czf "$OUT/final_logs.tgz" -C $d . ;;
+    check22) d=/tmp/check22_logs; rm -rf $d; mkdir -p $d; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
+             t() { name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} \
+                                    timeout -k 5 $left "$@" > "$d/$name.log" 2>&1; echo "rc=$?" >> "$d/$name.log") & }
+             t habits_branchy_priority python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+               tests/test_gpu_train_habits.py -k "branchy or priority"
+             for m in googlenet inception_v3 resnet50 dla34 hrnet_w18_small; do
+               t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+                 "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-no_reuse]"
+             done
+             for m in googlenet inception_v3 resnet50; do
+               t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+                 "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-no_reuse]"
+             done
+             wait
+             for log in $d/*.log; do
+               echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" "$log" | tail -4 | tr '\n' ' ' | cut -c1-500)"
+             done | sort | tee "$OUT/check22.txt"
+             tar czf "$OUT/check22_logs.tgz" -C $d . ;;
     probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
              grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
                "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20

@@ -50,8 +50,8 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name, buffe
     torch._inductor.config.fallback_random = True  # dropout masks as in eager
     make, size, batch = FUSED_MODELS[name]
     torch.manual_seed(0)
-    # channels-last, and the gate off so that every model's graphs are placed on streams wherever the
-    # schedule spreads them: this test is about the results of placed graphs
+    # channels-last, the backend's defaults (a plan predicted slower than one stream is refused; backward
+    # convolutions split into input and weight parts): this test is about the results of placed graphs
     cl = torch.channels_last
     base = make().cuda().train().to(memory_format=cl)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -70,6 +70,7 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name, buffe
             print(name, *infos, sep="\n  ")
             assert all(i.fallback_reason is None for i in infos), infos
             assert max(i.num_streams for i in infos) > 1, "the fused graphs must use several streams"
+            assert any(i.convolutions_split > 0 for i in infos if i.is_backward), "backward convolutions split"
         torch._dynamo.reset()
     ref = copy.deepcopy(base)
     expected, expected_update = _train_noting_first_update(ref, make_opt(ref.parameters()), batches)
