@@ -22,7 +22,8 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
                         reuse, backward convolutions split into input and weight parts)
     fused_reuse:K       fused with buffer_reuse=True (inductor's memory footprint)
     fused_nosplit:K     fused with split_weight_grads=False (AOTAutograd's joint convolution backward)
-    fused_prio:K        fused, the step captured on a highest-priority stream (stream_priority=True)
+    fused_noprio:K      fused, the step captured on an ordinary stream (stream_priority=False)
+    fused_prio:K        stream_priority=True, named apart in rows measured while False was the default
     fused_fresh:K       buffer_reuse=False, named apart in rows measured while reuse was the default
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
