@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 22's benchmark on the device, in one call: several sweeps side by side over one run directory,
+# so they compile in parallel and share one GPU lock (each timing alone, pairs timed in turns).
+#   bash experiments/bench22.sh RUN_DIR PART    (PART: a, b or c; see below). Packs RUN_DIR to $OUT/bench.tgz.
+set -uo pipefail
+dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+left=$(( ${DEADLINE:-570} - SECONDS - 20 ))
+sweep() { timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume --precisions bf16 --repeats 30 \
+            --rounds 5 "$@" >> "$OUT/bench_$part.log" 2>&1 & }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+case $part in
+  a) sweep --models resnet50 --batches 8 32 64 --modes compile_graph fused:4 fused_nosplit:4 \
+           --together compile_graph+fused:4+fused_nosplit:4 --compile-jobs 3
+     sweep --models inception_v3 --batches 8 32 64 --modes compile_graph fused:4 --together compile_graph+fused:4 \
+           --compile-jobs 3
+     sweep --models torchvision:vit_b_16 --batches 32 64 --modes compile_graph fused:4 \
+           --together compile_graph+fused:4 --compile-jobs 2
+     sweep --models timm:dla34 timm:hrnet_w18_small --batches 8 --modes compile_graph fused:4 \
+           --together compile_graph+fused:4 --compile-jobs 2 ;;
+  b) sweep --models googlenet --batches 8 64 --modes compile_graph fused:4 fused_nosplit:4 \
+           --together compile_graph+fused:4+fused_nosplit:4 --compile-jobs 2
+     sweep --models timm:dla34 timm:hrnet_w18_small --batches 64 --modes compile_graph fused:4 \
+           --together compile_graph+fused:4 --compile-jobs 2
+     sweep --models timm:inception_v4 --batches 8 --modes compile_graph fused:4 --together compile_graph+fused:4 \
+           --compile-jobs 1 ;;
+esac
+wait
+pkill -f "experiments.sweep --(one|group)"
+grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40
+tar czf "$OUT/bench.tgz" --exclude=traces --exclude=util "$dir"
