@@ -1,0 +1,88 @@
+"""The tables of issue 22's benchmark, from its results.jsonl files.
+
+    python -m experiments.bench22_table experiments/results/2026-11-23f-h100-torch2.11/bench22
+
+Every ratio divides two rows of one configuration (model, batch, precision)
+measured in the same part of the run, timed in turns in one process; rows of
+different parts are never divided by each other. Ratios are compile + graph's
+step time over the variant's (above 1: the variant is faster), and the
+variant's peak memory and setup (compile and capture) time over compile +
+graph's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+BASE = "compile_graph"
+VARIANTS = ("fused:4", "fused_noprio:4", "fused_nosplit:4")
+
+# issue 22's targets for concur fused (bf16) against torch.compile + whole-step graph, by (model, batches)
+TARGETS = {("googlenet", (8,)): 1.35, ("googlenet", (64, 128)): 1.12, ("inception_v3", (8,)): 1.30,
+           ("inception_v3", (64, 128)): 1.10, ("resnet50", (8, 32)): 1.05, ("resnet50", (64, 128)): 1.02,
+           ("torchvision:vit_b_16", (32, 64)): 1.03, ("timm:dla34", (8,)): 1.10,
+           ("timm:hrnet_w18_small", (8,)): 1.10, ("timm:inception_v4", (8,)): 1.10}
+FLOOR = 0.99
+
+
+def target(model: str, batch: int) -> float:
+    return next((t for (m, batches), t in TARGETS.items() if m == model and batch in batches), FLOOR)
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """One entry per (part, model, batch, precision): each variant's speedup, memory and setup ratios."""
+    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if r.get("status") == "ok" and r.get("ms"):
+            groups[(r["part"], r["model"], r["batch"], r["precision"])][r["mode"]] = r
+    out = []
+    for (part, model, batch, precision), modes in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        base = modes.get(BASE)
+        if base is None:
+            continue
+        entry = dict(part=part, model=model, batch=batch, precision=precision, base_ms=base["ms"])
+        for v in VARIANTS:
+            if v in modes:
+                r = modes[v]
+                entry[v] = dict(speedup=base["ms"] / r["ms"], memory=r["peak_mb"] / base["peak_mb"],
+                                setup=r["setup_s"] / base["setup_s"])
+        out.append(entry)
+    return out
+
+
+def markdown(entries: list[dict]) -> list[str]:
+    lines = ["| model | batch | part | compile + graph, ms | fused (defaults) | target | met | memory | setup "
+             "| no priority | no split |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        f = e.get("fused:4")
+        if f is None:
+            continue
+        t = target(e["model"], e["batch"])
+        other = [f"{e[v]['speedup']:.3f}x" if v in e else "" for v in ("fused_noprio:4", "fused_nosplit:4")]
+        lines.append(f"| {e['model']} | {e['batch']} | {e['part']} | {e['base_ms']:.2f} | {f['speedup']:.3f}x | "
+                     f"{t:.2f}x | {'yes' if f['speedup'] >= t else 'no'} | {f['memory']:.2f}x | {f['setup']:.2f}x | "
+                     + " | ".join(other) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="holds results.jsonl (and repeat_results.jsonl, if any)")
+    args = parser.parse_args(argv)
+    for name in ("results.jsonl", "repeat_results.jsonl"):
+        path = args.run_dir / name
+        if path.exists():
+            print(f"\n{name}\n")
+            print("\n".join(markdown(ratios(read(path)))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
