@@ -54,8 +54,8 @@ class BackendOptions:
     # With streams > 1: whether inductor may put a new buffer in a dead one's memory. Off by
     # default: each reuse orders the new buffer's writer after every reader of the old one, which
     # chains independent branches (an 8-branch net's planned backward: ideal 1.04x with reuse,
-    # 3.09x without). Without reuse the fused path was never slower on the H100 and cost
-    # 1.02-1.12x compile + graph's peak memory (experiments/RESULTS.md); True trades that
+    # 3.09x without). Without reuse the fused path costs 0.94-1.08x compile + graph's peak memory
+    # on the H100 in bf16 (ViT-B/16 b32: 1.21x; experiments/RESULTS.md); True trades that
     # concurrency for inductor's memory footprint. streams=1 keeps inductor's own setting.
     buffer_reuse: bool = False
     # "wrapper": inductor compiles each graph whole and concur rewrites its generated call

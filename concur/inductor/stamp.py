@@ -1,6 +1,6 @@
 """Stamp concur's schedule onto the post-grad aten graph and let inductor emit the streams (torch >= 2.13).
 
-Since torch 2.13 inductor has stream machinery of its own, fed by
+From torch 2.13 on, inductor has stream machinery of its own, fed by
 ``node.meta["custom"]["stream"]`` on the fx graph it lowers:
 
 * ``GraphLowering.run_node`` lowers each node inside its stream and realizes
@@ -464,7 +464,7 @@ def reorder(graph: fx.Graph, order: Sequence[str]) -> None:
     placed = [m for name in order for m in (by_name[name], *unpacks.get(by_name[name], ()))]
     if len(placed) != len(calls) or set(placed) != set(calls):
         raise ValueError("the schedule's order does not cover the graph's ops")
-    for n in [n for n in graph.nodes if n.op == "get_attr"]:  # constants first: any op may now come first
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:  # constants first, so any op may follow them
         calls[0].prepend(n)
     cursor = calls[0].prev
     for n in placed:

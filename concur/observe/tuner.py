@@ -346,7 +346,9 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     def measure(config: Config) -> Measurement:
         step, notes = build(config)
         try:
-            fn = lambda: step(inputs, targets)  # noqa: E731
+            def fn() -> None:
+                step(inputs, targets)
+
             t0 = time.perf_counter()
             for _ in range(3):
                 fn()
@@ -355,7 +357,7 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
             median, iqr = timer(fn, 3, repeats)
             return Measurement(median, iqr, repeats, tuple(notes))
         finally:
-            del step
+            step = None  # drops the last reference (fn's cell included): its graphs go before the next capture
             if on_cuda:  # the captured graph's private memory pool goes back before the next capture
                 gc.collect()
                 torch.cuda.empty_cache()
