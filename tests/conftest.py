@@ -22,6 +22,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+# Tiers that run only when selected by name (-m TIER), each as its own CI step: the default tier
+# stays within CI's budget (5 minutes, 4 GB on 2 cores) with a cold inductor cache.
+OPT_IN_TIERS = ("inductor",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = config.option.markexpr or ""
+    for tier in OPT_IN_TIERS:
+        if tier in selected:
+            continue
+        skip = pytest.mark.skip(reason=f"run with -m {tier}")
+        for item in items:
+            if item.get_closest_marker(tier):
+                item.add_marker(skip)
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -29,6 +29,8 @@ from concur.inductor.backend import CompiledGraphInfo, concur_backend
 from tests.conftest import assert_close_rel, flat_tensors
 from tests.models import BufferMutation, DropoutBranches, InplaceHazard, WideNet
 
+pytestmark = pytest.mark.inductor  # compiles through inductor: CI runs it as its own tier
+
 # A slow device without launch overhead, for the small synthetic models: no cluster of launches is
 # too cheap to get a stream of its own (the merge threshold is a multiple of the overhead) and every
 # launch outweighs an event wait, so their branches keep separate streams.

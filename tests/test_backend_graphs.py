@@ -26,6 +26,8 @@ from concur import _torch_compat as compat
 from concur.dag.cost import Roofline
 from tests.conftest import assert_close_rel, flat_tensors
 
+pytestmark = pytest.mark.inductor  # compiles through inductor: CI runs it as its own tier
+
 # A slow device without launch overhead: on these tiny graphs every launch outweighs an event, so
 # independent launches go to separate streams and the rewritten call is what runs.
 NO_MERGE = Roofline("slow-no-overhead", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=0.0)

@@ -26,8 +26,9 @@ from concur.inductor.aten_dag import build_aten_dag
 
 backend_module = importlib.import_module("concur.inductor.backend")
 
-pytestmark = pytest.mark.skipif(not compat.has_inductor_node_streams(),
-                                reason="inductor node streams need torch >= 2.13")
+pytestmark = [pytest.mark.inductor,  # compiles through inductor: CI runs it as its own tier
+              pytest.mark.skipif(not compat.has_inductor_node_streams(),
+                                 reason="inductor node streams need torch >= 2.13")]
 
 CPU = ROOFLINES["cpu"]  # slow enough that three 256x256 matmuls are worth three streams
 

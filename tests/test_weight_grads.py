@@ -14,6 +14,8 @@ from concur.dag.cost import Roofline
 from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
 from tests.test_backend import compare_compiled, forward_and_backward
 
+pytestmark = pytest.mark.inductor  # compiles through inductor: CI runs it as its own tier
+
 aten = torch.ops.aten
 
 # Kernels far from filling the device and a launch worth a few of them: where a side stream pays.
