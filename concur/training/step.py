@@ -613,7 +613,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     ``stream_priority=True`` (the default) captures the step on a stream of
     the highest priority, where every plan keeps its critical path; side
     streams keep the default, lowest priority, so their kernels yield SMs to
-    the path's (on the H100 0-2% faster fused steps, never slower:
+    the path's (on the H100 0.1-3.4% faster fused steps, never slower:
     experiments/RESULTS.md). ``False`` captures on an ordinary stream.
 
     ``compile=True`` runs the model through ``torch.compile`` with the concur
