@@ -13,9 +13,10 @@ graph's.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
+
+from experiments.sweep.rows import read_rows
 
 BASE = "compile_graph"
 VARIANTS = ("fused:4", "fused_noprio:4", "fused_nosplit:4")
@@ -30,10 +31,6 @@ FLOOR = 0.99
 
 def target(model: str, batch: int) -> float:
     return next((t for (m, batches), t in TARGETS.items() if m == model and batch in batches), FLOOR)
-
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.run_dir / name
         if path.exists():
             print(f"\n{name}\n")
-            print("\n".join(markdown(ratios(read(path)))))
+            print("\n".join(markdown(ratios(read_rows(path)))))
     return 0
 
 

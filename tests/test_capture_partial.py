@@ -101,21 +101,11 @@ def test_a_leaf_inside_a_later_leaf_is_reported_once():
                               steps=1)
 
 
-class RootControlFlow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        if x.sum() > 0:
-            return self.lin(x)
-        return x
-
-
 def test_root_control_flow_still_raises_and_fallback_still_works():
-    with pytest.raises(concur.CaptureError, match="RootControlFlow"):
-        concur.optimize(RootControlFlow(), (torch.randn(2, 4),), leaf_modules="auto")
-    model = RootControlFlow()
+    # DataDependentBlock as the model itself: the control flow is in the root's own forward
+    with pytest.raises(concur.CaptureError, match="DataDependentBlock"):
+        concur.optimize(DataDependentBlock(), (torch.randn(2, 4),), leaf_modules="auto")
+    model = DataDependentBlock()
     with pytest.warns(UserWarning, match="falls back"):
         assert concur.optimize(model, (torch.randn(2, 4),), leaf_modules="auto", fallback="eager") is model
 

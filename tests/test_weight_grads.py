@@ -12,7 +12,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 import concur
 from concur.dag.cost import Roofline
 from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
-from tests.test_backend import compare_compiled, forward_and_backward
+from tests.test_backend import compare_compiled, forward_and_backward, fresh_dynamo  # noqa: F401 - autouse
 
 pytestmark = pytest.mark.inductor  # compiles through inductor: CI runs it as its own tier
 
@@ -33,13 +33,6 @@ class ConvChain(nn.Module):
 
     def forward(self, x):
         return self.head(self.convs(x).mean((2, 3)))
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def backward_graph(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:

@@ -23,6 +23,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from concur.inductor.aten_dag import is_unpack, is_view
+
 aten = torch.ops.aten
 
 # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
@@ -68,20 +70,9 @@ def split_convolution_backward(graph: fx.Graph) -> int:
     return split
 
 
-def _passes_value_on(node: fx.Node) -> bool:
-    """A getitem or a view: the value goes on unchanged, with no kernel of its own."""
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
-    return alias is not None and not alias.is_write
-
-
 def _reaches_only_outputs(node: fx.Node) -> bool:
     users = list(node.users)
-    return bool(users) and all(u.op == "output" or (_passes_value_on(u) and _reaches_only_outputs(u))
+    return bool(users) and all(u.op == "output" or ((is_unpack(u) or is_view(u)) and _reaches_only_outputs(u))
                                for u in users)
 
 

@@ -158,7 +158,7 @@ class _CudaGraphs:
     streams', which have the default, lowest priority.
     """
 
-    def __init__(self, priority: bool = True):
+    def __init__(self, priority: bool):
         self.priority = priority
         self._capture_stream: torch.cuda.Stream | None = None
 
@@ -185,7 +185,7 @@ class _CudaGraphs:
         torch.cuda.empty_cache()
 
 
-def _graph_runner(on_cuda: bool, priority: bool = True) -> _CudaGraphs | None:
+def _graph_runner(on_cuda: bool, priority: bool) -> _CudaGraphs | None:
     """The capture machinery for these inputs: CUDA graphs, or None (eager). CPU tests swap in an emulation."""
     return _CudaGraphs(priority) if on_cuda else None
 
