@@ -185,6 +185,7 @@ def test_fused_rows_record_what_the_backend_made_of_each_graph():
 @pytest.mark.parametrize("mode, options, priority", [
     ("fused:4", None, True), ("fused_reuse:4", {"buffer_reuse": True}, True),
     ("fused_nosplit:4", {"split_weight_grads": False}, True), ("fused_noprio:4", None, False),
+    ("fused_gate105:4", {"min_predicted_speedup": 1.05}, True),
     ("compile_graph", None, True)])
 def test_fused_variants_reach_train_step_with_their_options(mode, options, priority, monkeypatch):
     seen = {}

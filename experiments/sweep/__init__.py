@@ -25,6 +25,7 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     fused_noprio:K      fused, the step captured on an ordinary stream (stream_priority=False)
     fused_prio:K        stream_priority=True, named apart in rows measured while False was the default
     fused_fresh:K       buffer_reuse=False, named apart in rows measured while reuse was the default
+    fused_gate105:K     fused with min_predicted_speedup=1.05 (graphs predicted below 1.05x stay on one stream)
     critical_path       not a step time: profiles the forward op by op and reports the
                         longest dependency path of the measured kernel times (the bound)
 
