@@ -19,7 +19,11 @@ from pathlib import Path
 from experiments.sweep.rows import read_rows
 
 BASE = "compile_graph"
-VARIANTS = ("fused:4", "fused_noprio:4", "fused_nosplit:4")
+VARIANTS = ("fused:4", "fused_noprio:4", "fused_nosplit:4", "fused_gate105:4", "fused_ordered:4")
+# the other variants' columns: (mode, header, what to print of it)
+OTHER_COLUMNS = (("fused_noprio:4", "no priority", "speedup"), ("fused_nosplit:4", "no split", "speedup"),
+                 ("fused_gate105:4", "gate 1.05", "speedup"), ("fused_ordered:4", "ordered reuse", "speedup"),
+                 ("fused_ordered:4", "its memory", "memory"))
 
 # issue 22's targets for concur fused (bf16) against torch.compile + whole-step graph, by (model, batches)
 TARGETS = {("googlenet", (8,)): 1.35, ("googlenet", (64, 128)): 1.12, ("inception_v3", (8,)): 1.30,
@@ -55,15 +59,17 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def markdown(entries: list[dict]) -> list[str]:
-    lines = ["| model | batch | part | compile + graph, ms | fused (defaults) | target | met | memory | setup "
-             "| no priority | no split |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    columns = [c for c in OTHER_COLUMNS if any(c[0] in e for e in entries)]
+    header = ["model", "batch", "precision", "part", "compile + graph, ms", "fused (defaults)", "target", "met",
+              "memory", "setup", *(c[1] for c in columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for e in entries:
         f = e.get("fused:4")
         if f is None:
             continue
         t = target(e["model"], e["batch"])
-        other = [f"{e[v]['speedup']:.3f}x" if v in e else "" for v in ("fused_noprio:4", "fused_nosplit:4")]
-        lines.append(f"| {e['model']} | {e['batch']} | {e['part']} | {e['base_ms']:.2f} | {f['speedup']:.3f}x | "
+        other = [f"{e[mode][what]:.3f}x" if mode in e else "" for mode, _, what in columns]
+        lines.append(f"| {e['model']} | {e['batch']} | {e['precision']} | {e['part']} | {e['base_ms']:.2f} | {f['speedup']:.3f}x | "
                      f"{t:.2f}x | {'yes' if f['speedup'] >= t else 'no'} | {f['memory']:.2f}x | {f['setup']:.2f}x | "
                      + " | ".join(other) + " |")
     return lines
