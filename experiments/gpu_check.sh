@@ -17,6 +17,10 @@
 #   check22        in parallel processes: the fused envelope (5 models) and sanitizer (3 models) with the
 #                  backend's defaults (gate, weight-gradient split, no reuse), and the train_step habits of the
 #                  branchy net incl. stream_priority; one line each in $OUT/check22.txt, logs in $OUT/check22_logs.tgz
+#   recheck        in parallel processes: the fused envelope (4 models) and sanitizer (3 models) with
+#                  buffer_reuse="ordered", the unfused path's weight-gradient split (tests/test_gpu_weight_grads.py),
+#                  the train_step habits (default stream priority), tests/test_gpu.py and the DDP test;
+#                  one line each in $OUT/recheck.txt, logs in $OUT/recheck_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
 #                  greps its source and packs torch/_inductor's top-level modules to $OUT/inductor_src.tgz
 #   capture-wrappers  golden wrappers + scheduler oracle (experiments/capture_wrappers.py), 6 in parallel,
@@ -103,6 +107,26 @@ for step in "$@"; do
                echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" "$log" | tail -4 | tr '\n' ' ' | cut -c1-500)"
              done | sort | tee "$OUT/check22.txt"
              tar czf "$OUT/check22_logs.tgz" -C $d . ;;
+    recheck) d=/tmp/recheck_logs; rm -rf $d; mkdir -p $d; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
+             t() { name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} \
+                                    timeout -k 5 $left "$@" > "$d/$name.log" 2>&1; echo "rc=$?" >> "$d/$name.log") & }
+             for m in googlenet inception_v3 resnet50 hrnet_w18_small; do
+               t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+                 "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-ordered_reuse]"
+             done
+             for m in googlenet inception_v3 resnet50; do
+               t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+                 "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-ordered_reuse]"
+             done
+             t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t ddp python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_ddp.py
+             wait
+             for log in $d/*.log; do
+               echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" "$log" | tail -4 | tr '\n' ' ' | cut -c1-500)"
+             done | sort | tee "$OUT/recheck.txt"
+             tar czf "$OUT/recheck_logs.tgz" -C $d . ;;
     probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
              grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
                "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20

@@ -1,6 +1,6 @@
 """Train a few steps of the fused path (torch.compile, backend "concur") under CUDA's sanitizer; exit 0 if no race.
 
-Usage: python -m tests.gpu_fused_sanitized_run --model NAME [--no-buffer-reuse] [--steps N]
+Usage: python -m tests.gpu_fused_sanitized_run --model NAME [--no-buffer-reuse | --ordered-reuse] [--steps N]
 NAME is a key of tests.gpu_fused_models.FUSED_MODELS. The model is
 channels-last and every graph that can be is put on 4 streams
 (``min_predicted_speedup=1.0``), so the sanitizer sees the streams the plan
@@ -24,7 +24,9 @@ from tests.test_gpu import _loss
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, choices=sorted(FUSED_MODELS))
-    p.add_argument("--no-buffer-reuse", action="store_true")
+    reuse = p.add_mutually_exclusive_group()
+    reuse.add_argument("--no-buffer-reuse", action="store_true")
+    reuse.add_argument("--ordered-reuse", action="store_true", help='buffer_reuse="ordered"')
     p.add_argument("--steps", type=int, default=2)
     a = p.parse_args()
     make, size, batch = FUSED_MODELS[a.model]
@@ -36,7 +38,8 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = concur.train_step(model, _loss, opt, (x, y), streams=4, cuda_graph=False, compile=True,
                              compile_options={"min_predicted_speedup": 1.0,
-                                              "buffer_reuse": not a.no_buffer_reuse})
+                                              "buffer_reuse": "ordered" if a.ordered_reuse
+                                              else not a.no_buffer_reuse})
     # Dynamo neither compiles nor runs compiled code while a dispatch mode such as the sanitizer is
     # active (the steps would run eagerly, on one stream): the sanitizer's mode is declared to
     # ignore compile internals, so dynamo runs the fused code and the sanitizer sees the aten

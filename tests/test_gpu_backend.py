@@ -9,7 +9,7 @@ launches on streams may add no more than 4x that.
 
 Models: torchvision's GoogLeNet, Inception-v3 and ResNet-50 and timm's
 ``hrnet_w18_small`` and ``dla34`` (:mod:`tests.gpu_fused_models`), each with
-inductor's buffer reuse on and off. ``CONCUR_GPU_STEPS`` (default 50, at
+inductor's buffer reuse on, off and ordered. ``CONCUR_GPU_STEPS`` (default 50, at
 least 20) sets the length of the training run.
 """
 
@@ -32,9 +32,10 @@ pytestmark = [pytest.mark.cuda, requires_cuda]
 
 STEPS = max(20, int(os.environ.get("CONCUR_GPU_STEPS", "50")))
 
-# buffer_reuse=False (more kernels overlap) becomes the default once both settings pass here:
-# -k "envelope and googlenet and no_reuse" runs the new one alone
-REUSE = pytest.mark.parametrize("buffer_reuse", [True, False], ids=["reuse", "no_reuse"])
+# inductor's buffer reuse as it is, off (the default), and kept only where the plan orders the two uses:
+# -k "envelope and googlenet and ordered_reuse" runs one alone
+REUSE = pytest.mark.parametrize("buffer_reuse", [True, False, "ordered"], ids=["reuse", "no_reuse", "ordered_reuse"])
+REUSE_FLAGS = {True: [], False: ["--no-buffer-reuse"], "ordered": ["--ordered-reuse"]}
 MODEL = pytest.mark.parametrize("name", sorted(FUSED_MODELS))
 
 
@@ -82,7 +83,7 @@ def test_fused_train_step_matches_eager_within_compiles_own_envelope(name, buffe
         return ((losses - expected).abs() / expected.abs()).cummax(0).values
 
     fused, compiled = deviation(results[4]), deviation(results[1])
-    print(f"{name} ({'reuse' if buffer_reuse else 'no reuse'}): first update error fused "
+    print(f"{name} (buffer_reuse={buffer_reuse}): first update error fused "
           f"{update_error(updates[4]):.2e}, compile's own {update_error(updates[1]):.2e}; loss deviation over "
           f"{STEPS} steps fused {fused[-1]:.2e}, compile's own {compiled[-1]:.2e}")
     assert fused[0] < 1e-4, "the first forward must match eager's"
@@ -106,8 +107,8 @@ def _train_noting_first_update(model, opt, batches, step=None):
 @MODEL
 def test_fused_path_under_the_sanitizer_reports_no_race(name, buffer_reuse):
     _needs(name)
-    no_reuse = [] if buffer_reuse else ["--no-buffer-reuse"]
-    result = subprocess.run([sys.executable, "-m", "tests.gpu_fused_sanitized_run", "--model", name, *no_reuse],
+    result = subprocess.run([sys.executable, "-m", "tests.gpu_fused_sanitized_run", "--model", name,
+                             *REUSE_FLAGS[buffer_reuse]],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": ROOT})
     print(result.stdout[-2000:])
