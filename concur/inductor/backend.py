@@ -40,6 +40,8 @@ from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = 1.0
 
+BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule orders it (BackendOptions.buffer_reuse)
+
 
 @dataclass(frozen=True)
 class BackendOptions:
@@ -56,8 +58,11 @@ class BackendOptions:
     # chains independent branches (an 8-branch net's planned backward: ideal 1.04x with reuse,
     # 3.09x without). Without reuse the fused path costs 0.94-1.08x compile + graph's peak memory
     # on the H100 in bf16 (ViT-B/16 b32: 1.21x; experiments/RESULTS.md); True trades that
-    # concurrency for inductor's memory footprint. streams=1 keeps inductor's own setting.
-    buffer_reuse: bool = False
+    # concurrency for inductor's memory footprint. "ordered": inductor reuses, the launches are
+    # scheduled as without reuse, and a reuse is kept only where that schedule orders the two
+    # buffers anyway, else it becomes a fresh allocation (wrapper route only; not yet measured on a
+    # GPU). streams=1 keeps inductor's own setting.
+    buffer_reuse: bool | str = False
     # "wrapper": inductor compiles each graph whole and concur rewrites its generated call
     # (concur.inductor.wrapper_emit). "inductor_streams": concur stamps its schedule onto the post-grad
     # aten graph and inductor emits the streams and events itself (concur.inductor.stamp;
@@ -88,6 +93,10 @@ class CompiledGraphInfo:
     one_stream_reason: str | None = None
     convolutions_split: int = 0  # convolution_backward calls split into input and weight parts
     weight_grad_ops: int = 0  # matmuls and convolution backward calls whose values only the optimizer reads
+    # inductor's reuse lines (a new buffer in a dead one's memory) in what runs: kept as written, or
+    # made fresh allocations because the streams do not order the two buffers (buffer_reuse="ordered")
+    reuses_kept: int = 0
+    reuses_fresh: int = 0
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -118,6 +127,11 @@ class ConcurBackend:
             raise ValueError(f"route must be one of {ROUTES}, got {options.route!r}")
         if not options.min_predicted_speedup >= 1.0:
             raise ValueError(f"min_predicted_speedup must be >= 1.0, got {options.min_predicted_speedup!r}")
+        if not (isinstance(options.buffer_reuse, bool) or options.buffer_reuse == BUFFER_REUSE_ORDERED):
+            raise ValueError(f"buffer_reuse must be True, False or 'ordered', got {options.buffer_reuse!r}")
+        if options.buffer_reuse == BUFFER_REUSE_ORDERED and options.route != "wrapper":
+            raise ValueError(f"buffer_reuse='ordered' needs route='wrapper', got route={options.route!r}: it decides "
+                             "which reuses to keep in the rewritten wrapper; use True or False with this route")
         self.options = options
         self.graphs: list[CompiledGraphInfo] = []
         self._warned: set[str] = set()
@@ -188,11 +202,18 @@ class ConcurBackend:
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
             self._fall_back(is_backward, num_ops, f"its costs could not be read ({_describe(exc)})")
             return compiled
-        # without reuse only where streams follow; otherwise inductor's (and the user's) setting stands
-        with compat.inductor_buffer_reuse(False) if not o.buffer_reuse else contextlib.nullcontext():
+        # without reuse only where streams follow; True keeps inductor's (and the user's) setting, and
+        # "ordered" needs inductor's reuse lines to decide which of them the schedule can keep
+        ordered = o.buffer_reuse == BUFFER_REUSE_ORDERED
+        if ordered or not o.buffer_reuse:
+            reuse = compat.inductor_buffer_reuse(ordered)
+        else:
+            reuse = contextlib.nullcontext()
+        with reuse:
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
         try:
-            placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup)
+            placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
+                                   split_reuses=ordered)
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
             self._fall_back(is_backward, num_ops, _describe(exc))
             return compiled
@@ -206,7 +227,8 @@ class ConcurBackend:
         self.graphs.append(CompiledGraphInfo(
             is_backward, num_ops, placed.num_launches, plan.num_streams if placed.installed else 1,
             plan.num_waits if placed.installed else 0, None, plan.ideal_speedup if plan else 1.0,
-            plan.predicted_speedup if plan else 1.0, plan.num_barriers if plan else 0, placed.one_stream))
+            plan.predicted_speedup if plan else 1.0, plan.num_barriers if plan else 0, placed.one_stream,
+            reuses_kept=placed.reuses_kept, reuses_fresh=placed.reuses_fresh))
         return compiled
 
     def _compile_stamped(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool, num_ops: int,
@@ -261,7 +283,7 @@ def _code(node: ast.stmt) -> str:
 
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
-            min_predicted_speedup: float | None = None, buffer_reuse: bool = False,
+            min_predicted_speedup: float | None = None, buffer_reuse: bool | str = False,
             route: str = "wrapper", split_weight_grads: bool = True) -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
@@ -279,7 +301,14 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     streams) stops inductor from placing new buffers in dead ones, whose
     reuse chains independent branches: 1.02-1.12x the peak memory of
     ``torch.compile`` on the H100, for much more concurrency. ``True``
-    keeps inductor's reuse.
+    keeps inductor's reuse. ``"ordered"`` (wrapper route; not yet measured
+    on a GPU) compiles with inductor's reuse but schedules the launches as
+    without it, then keeps each reuse whose two buffers the schedule orders
+    anyway (same stream, or through its events) and gives every other one
+    a fresh allocation; a reuse whose new buffer's first kernel reads it
+    (an in-place update) is always kept. A graph left on one stream keeps
+    every reuse, exactly as ``torch.compile``; the graph records
+    (:attr:`ConcurBackend.graphs`) count the reuses kept and made fresh.
 
     ``route="inductor_streams"`` (torch >= 2.13; tested on CPU, not measured
     on a GPU) stamps the schedule onto the post-grad graph and lets inductor

@@ -15,7 +15,13 @@ streams of the launches in the generated ``call`` function:
    after the last statement naming it;
 4. a storage used on a stream other than the one it was allocated on is
    protected with ``record_stream`` when its name dies, as in
-   :mod:`concur.streams`.
+   :mod:`concur.streams`;
+5. with ``split_reuses`` (``buffer_reuse="ordered"``), inductor's reuse lines
+   whose new buffer is only stored to are scheduled as fresh buffers, and
+   each is kept as written only where the schedule orders every use of the
+   old buffer before the new one (:func:`kept_reuses`), else allocated
+   afresh; a kept reuse's storage is protected as one, from its first
+   allocation's stream.
 
 :func:`plan_emission` is pure (data in, data out) and replays its own steps
 with :func:`schedulers.replay`, the checker every schedule passes;
@@ -38,7 +44,7 @@ import itertools
 import logging
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import networkx as nx
 
@@ -47,7 +53,7 @@ import schedulers
 from concur import _torch_compat as compat
 from concur.dag.cost import Roofline
 from concur.dag.hazards import hazard_edges
-from concur.inductor.wrapper_parse import KernelProgram, Statement, parse_wrapper
+from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement, parse_wrapper
 from concur.streams import StreamRuntime
 
 log = logging.getLogger("concur")
@@ -79,6 +85,8 @@ class KernelStreamPlan:
     num_barriers: int
     ideal_speedup: float
     predicted_speedup: float
+    reuses_kept: int = 0    # inductor's reuse lines emitted as it wrote them (the new buffer in the old memory)
+    reuses_fresh: int = 0   # reuse lines emitted as a fresh allocation, their buffers not ordered otherwise
 
 
 def launch_dag(program: KernelProgram, node_costs: Mapping[str, tuple[float, dict]],
@@ -107,12 +115,70 @@ def schedule_launches(dag: nx.DiGraph, streams: int, scheduler: str, min_cost: f
     return schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, streams, scheduler))
 
 
+def kept_reuses(program: KernelProgram, schedule: schedulers.Schedule) -> frozenset[int]:
+    """Return the split reuses (their alias statements' indices) that ``schedule`` orders anyway.
+
+    A reuse of :attr:`KernelProgram.reuses` is kept, its new buffer put in
+    the old one's memory as inductor wrote it, when every launch touching
+    the old buffer happens before the first launch touching the new one:
+    earlier on the same stream, or through the schedule's events, as
+    :func:`schedulers.replay`'s vector clocks see it. Every other reuse gets
+    a fresh allocation (:attr:`~concur.inductor.wrapper_parse.Reuse.fresh`).
+    A reuse whose old buffer no launch touched is never kept: its alias
+    could not be placed after the old name is bound.
+    """
+    if not program.reuses:
+        return frozenset()
+    edges = _reuse_edges(program, program.reuses)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(schedule.order)
+    dag.add_edges_from(e for r in program.reuses for e in edges[r.statement])
+    steps = schedulers.schedule_steps(schedule.order, schedule.stream, schedule.waits)
+    unordered = set(schedulers.replay(dag, steps).unsatisfied)
+    return frozenset(r.statement for r in program.reuses
+                     if edges[r.statement] and not unordered.intersection(edges[r.statement]))
+
+
+def _reuse_edges(program: KernelProgram, reuses: Iterable[Reuse]) -> dict[int, list[tuple[int, int]]]:
+    """Return, per reuse, the orders that keeping it needs: each launch touching the old group -> the first new one."""
+    touching: dict[str, list[int]] = {}
+    for s in program.launches:
+        for g in s.groups | s.reads | s.writes:
+            touching.setdefault(g, []).append(s.index)
+    return {r.statement: [(u, r.first_access) for u in touching.get(r.old_group, ())] for r in reuses}
+
+
+def _storages(program: KernelProgram, kept: frozenset[int]) -> dict[str, str]:
+    """Return {group: the group whose allocation it lives in} for the groups a kept reuse puts in older memory."""
+    storage: dict[str, str] = {}
+    for r in sorted(program.reuses, key=lambda r: r.statement):  # a chain of reuses: new ones follow old ones
+        if r.statement in kept:
+            storage[r.new_group] = storage.get(r.old_group, r.old_group)
+    return storage
+
+
 def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph) -> KernelStreamPlan:
     """Return the rewritten call as steps: launches in schedule order, host statements placed around them.
 
+    A split reuse (:attr:`KernelProgram.reuses`) is kept where
+    :func:`kept_reuses` says the schedule orders it, else its alias becomes
+    a fresh allocation; either way the storage it ends up in is protected as
+    one: its home is the stream its allocation was placed on, and every
+    stream that touched any group living in it is recorded when a name of
+    it dies.
+
     Raises:
-        ValueError: the result would use a name before binding it or after deleting it (a concur bug).
+        ValueError: the result would use a name before binding it or after deleting it, break a
+            dependency or keep a reuse its steps do not order (a concur bug).
     """
+    kept = kept_reuses(program, schedule)
+    fresh = {r.statement: r.fresh for r in program.reuses if r.statement not in kept}
+    statements = [fresh.get(s.index, s) if s.kind == "host" else s for s in program.statements]
+    storage = _storages(program, kept)
+
+    def root(group: str) -> str:
+        return storage.get(group, group)
+
     launches = {s.index: s for s in program.launches}
     position = {v: i for i, v in enumerate(schedule.order)}
     end = len(schedule.order)
@@ -126,7 +192,7 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     # where each host statement goes: before the launch at anchor[i] (-1: at the start, end: after all)
     anchor: dict[int, int] = {}
     binder_position: dict[str, int] = {}  # name -> issue position after which it is bound
-    ordered = sorted(program.statements, key=lambda s: s.index)
+    ordered = sorted(statements, key=lambda s: s.index)
     for s in ordered:
         if s.is_launch:
             for name in s.binds:
@@ -168,15 +234,18 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
         dels_after.setdefault(last_use.get(name, -1), []).append(d)
 
     steps: list[Emit] = []
-    home: dict[str, int] = {}
-    touched: dict[str, set[int]] = {}
+    home: dict[str, int] = {}  # storage -> the stream its allocation was placed on (inputs: the caller's, 0)
+    touched: dict[str, set[int]] = {}  # storage -> streams whose launches touched it
     current = 0
+
+    def others(groups) -> tuple[int, ...]:
+        return tuple(sorted({t for g in groups for t in touched.get(root(g), ()) if t != home.get(root(g), 0)}))
 
     def release(d: Statement) -> None:
         (name,) = tuple(d.uses)
-        others = tuple(sorted(t for g in d.groups for t in touched.get(g, ()) if t != home.get(g, 0)))
-        if others:
-            steps.append(Emit("protect", name=name, streams=others))
+        streams = others(d.groups)
+        if streams:
+            steps.append(Emit("protect", name=name, streams=streams))
         steps.append(Emit("stmt", d))
 
     for d in dels_after.get(-1, []):
@@ -189,10 +258,10 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
             steps += [Emit("wait", index=e) for e in waits_of.get(s.index, [])]
         steps.append(Emit("stmt", s))
         for g in s.fresh:
-            home[g] = stream
+            home[root(g)] = stream
         if s.is_launch:
             for g in s.groups | s.reads | s.writes:
-                touched.setdefault(g, set()).add(stream)
+                touched.setdefault(root(g), set()).add(stream)
             if s.index in events:
                 steps.append(Emit("record", index=events[s.index]))
         for d in dels_after.get(i, []):
@@ -206,20 +275,41 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     at_end = []
     for name in sorted(set(group_of) - deleted):
         g = group_of[name]
-        others = tuple(sorted(t for t in touched.get(g, ()) if t != home.get(g, 0))) if g else ()
-        if others:
-            at_end.append((name, others))
+        streams = others({g}) if g else ()
+        if streams:
+            at_end.append((name, streams))
     _check_names(program, steps)
-    problems = schedulers.replay(dag, _issue_steps(steps)).problems
+    issued = _issue_steps(steps)
+    problems = schedulers.replay(dag, issued).problems
     if problems:
         raise ValueError(f"the rewritten call breaks a dependency (a concur bug, please report it): {problems[:3]}")
+    _check_kept_reuses(program, kept, dag, issued)
     barriers = sum(1 for s in program.launches if s.kind == "barrier")
     serial_us = schedulers.serial(dag).makespan
     ideal = serial_us / schedule.makespan if schedule.makespan > 0 else 1.0
     shared = schedulers.simulate_shared(dag, schedule)
     predicted = serial_us / shared if shared > 0 else 1.0
     return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(events), len(schedule.waits),
-                            len(launches), barriers, ideal, predicted)
+                            len(launches), barriers, ideal, predicted, program.reuse_lines - len(fresh), len(fresh))
+
+
+def _check_kept_reuses(program: KernelProgram, kept: frozenset[int], dag: nx.DiGraph,
+                       issued: list[tuple[str, Any]]) -> None:
+    """Replay the plan's steps once more: every kept reuse must be ordered after all uses of the old buffer.
+
+    Raises:
+        ValueError: a kept reuse whose new buffer's first launch may overlap a launch of the old one.
+    """
+    if not kept:
+        return
+    edges = _reuse_edges(program, [r for r in program.reuses if r.statement in kept])
+    order = nx.DiGraph()
+    order.add_nodes_from(dag)
+    order.add_edges_from(e for pairs in edges.values() for e in pairs)
+    problems = schedulers.replay(order, issued).problems
+    if problems:
+        raise ValueError(f"the rewritten call keeps a buffer reuse its streams do not order (a concur bug, please "
+                         f"report it): {problems[:3]}")
 
 
 def _issue_steps(steps: list[Emit] | tuple[Emit, ...]) -> list[tuple[str, Any]]:
@@ -359,6 +449,9 @@ class PlacedKernels:
     one_stream: str | None = None
     # the first barrier of a graph its barriers serialized (it would use several streams without them)
     serialized_by: Statement | None = None
+    # inductor's reuse lines in what runs: kept as written, or (installed plans only) made fresh allocations
+    reuses_kept: int = 0
+    reuses_fresh: int = 0
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
@@ -373,7 +466,7 @@ def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, s
 
 
 def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int,
-                  scheduler: str, min_predicted_speedup: float = 1.0) -> PlacedKernels:
+                  scheduler: str, min_predicted_speedup: float = 1.0, split_reuses: bool = False) -> PlacedKernels:
     """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
 
     The graph keeps running inductor's own call when it has fewer than two
@@ -382,15 +475,20 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     says why (``one_stream``), and names the barrier when barriers are what
     put a branchy graph on one stream (``serialized_by``).
 
+    With ``split_reuses``, the launches are scheduled as if each renameable
+    reuse line were a fresh allocation, and the plan keeps the reuses its
+    schedule orders anyway (:func:`kept_reuses`).
+
     Raises:
         ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
     """
     source, namespace, bound_to, replace = compat.inductor_wrapper(compiled)
-    program = parse_wrapper(source, namespace)
+    program = parse_wrapper(source, namespace, split_reuses)
     launches = len(program.launches)
+    as_written = program.reuse_lines  # inductor's own call keeps every reuse
     if launches < 2:  # nothing is reordered, so nothing needs reading further
         return PlacedKernels(None, False, launches, f"{launches} kernel launch{'es' if launches != 1 else ''}: "
-                                                    "nothing to put on streams")
+                                                    "nothing to put on streams", reuses_kept=as_written)
     check_streams(program)
     dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
     min_cost = _MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
@@ -401,13 +499,13 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     plan = plan_emission(program, schedule, dag)
     if plan.num_streams == 1:
         return PlacedKernels(plan, False, launches, "the schedule uses one stream",
-                             serializing_barrier(program, dag, streams, scheduler, min_cost))
+                             serializing_barrier(program, dag, streams, scheduler, min_cost), as_written)
     gate = max(min_predicted_speedup, 1.0)  # a plan predicted slower than one stream is never installed
     if plan.predicted_speedup < gate * (1 - 1e-9):  # a makespan summed another way is not slower
         reason = (f"its {plan.num_streams}-stream plan is predicted at {plan.predicted_speedup:.2f}x of one stream "
                   f"(kernels sharing the device), below {gate:g}x")
         log.info("concur backend: a graph of %d launches keeps one stream: %s", launches, reason)
-        return PlacedKernels(plan, False, launches, reason)
+        return PlacedKernels(plan, False, launches, reason, reuses_kept=as_written)
     call, _ = build_call(program, plan, namespace, bound_to)
     replace(call)
-    return PlacedKernels(plan, True, launches)
+    return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh)

@@ -25,13 +25,21 @@ argument; aten fallbacks follow their schema (``Tensor(a!)``), and ops
 tagged ``nondeterministic_seeded`` also write the random generator, so
 draws keep their order. A statement this module does not understand
 becomes a *barrier* ordered after and before everything, which is slow but
-never wrong. ``tests/test_golden_wrappers.py`` checks real wrappers of each
+never wrong.
+
+Which storages a launch only *stores* to (never reads) is proven the same
+way, for ``split_reuses`` (:class:`Reuse`): a triton pointer whose every use
+is the address of a ``tl.store`` and that is not a mutated argument, a C++
+pointer the body only stores through in inductor's two store shapes, the
+``out=`` of the known extern kernels and ``buf.zero_()``; anything else may
+read, so a reuse before it keeps inductor's alias. ``tests/test_golden_wrappers.py`` checks real wrappers of each
 version in :data:`TESTED_TORCH_VERSIONS` against inductor's own scheduler.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -74,6 +82,8 @@ class Statement:
     groups: frozenset[str] = frozenset()   # storage groups of every name used or bound
     fresh: frozenset[str] = frozenset()    # groups this statement allocates (their home stream is its stream)
     bind_group: str | None = None   # the group of the name it binds (assignments)
+    # groups a launch only stores to: every argument naming them is a pointer it never reads through
+    stores_only: frozenset[str] = frozenset()
 
     @property
     def is_launch(self) -> bool:
@@ -92,10 +102,32 @@ class KernelProgram:
     inputs: tuple[str, ...]         # names unpacked from ``args``
     outputs: tuple[str, ...]        # names in the return statement
     guarded: bool                   # the body is a device guard's (``with torch.cuda._DeviceGuard(0):``)
+    reuses: tuple["Reuse", ...] = ()  # reuse lines whose new buffer has a storage group of its own
+    reuse_lines: int = 0            # every ``bufN = bufM; del bufM  # reuse`` line, split or not
 
     @property
     def launches(self) -> list[Statement]:
         return [s for s in self.statements if s.is_launch]
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """A reuse line whose new buffer was given a storage group of its own (``split_reuses``).
+
+    ``buf9 = buf5; del buf5  # reuse`` puts buf9 in buf5's dead memory,
+    which orders buf9's first writer after every launch that touched buf5.
+    When that writer only stores to buf9 (it never reads what buf5 left),
+    the order is not a dependence: the parse gives buf9 a group of its own,
+    and :func:`concur.inductor.wrapper_emit.plan_emission` keeps the reuse only
+    where its schedule orders the two buffers anyway, otherwise it emits
+    :attr:`fresh`, an allocation made like buf5's.
+    """
+
+    statement: int                  # index of the alias statement (``buf9 = buf5``)
+    old_group: str
+    new_group: str
+    first_access: int               # index of the first launch touching the new group: it only stores to it
+    fresh: Statement                # replaces the alias when the reuse is not kept
 
 
 class UnsupportedWrapper(ValueError):
@@ -106,14 +138,18 @@ class UnsupportedWrapper(ValueError):
 
 @dataclass(frozen=True)
 class KernelSignature:
-    """Parameter names of a compiled kernel, and which of them it writes."""
+    """Parameter names of a compiled kernel, which of them it writes, and which it provably only stores to."""
 
     params: tuple[str, ...]
     written: frozenset[str]
+    # pointers the kernel never reads through (a subset of ``written``): what it leaves there does not
+    # depend on what the memory held before, so a buffer passed there may be a fresh allocation
+    stores_only: frozenset[str] = frozenset()
 
 
 _MUTATED = re.compile(r"['\"]mutated_arg_names['\"]\s*:\s*\[([^\]]*)\]")
 _TRITON_LOADS = {"tl.load"}  # the only uses of a pointer that cannot write through it
+_TRITON_STORES = {"tl.store"}  # the only uses of a pointer that cannot read through it (atomics read)
 
 
 def _triton_pointer_types(fn: ast.FunctionDef) -> dict[str, str]:
@@ -177,6 +213,21 @@ def _only_loaded(body: _KernelBody, param: str) -> bool:
     comparison) is taken as a possible write: a write is assumed unless this
     function proves there is none.
     """
+    return _only_addressed_by(body, param, _TRITON_LOADS)
+
+
+def _only_stored(body: _KernelBody, param: str) -> bool:
+    """Whether pointer ``param`` is used, and every use is the address of a ``tl.store``: never read.
+
+    The mirror of :func:`_only_loaded`, with the same walk: a load, an
+    atomic (which reads the old value), a helper call or anything else makes
+    the pointer one the kernel may read.
+    """
+    return bool(body.loads.get(param)) and _only_addressed_by(body, param, _TRITON_STORES)
+
+
+def _only_addressed_by(body: _KernelBody, param: str, calls: set[str]) -> bool:
+    """Whether every use of pointer ``param`` (and of locals derived from it) is the address of one of ``calls``."""
     parents = body.parents
     derived, pending = {param}, [param]
     while pending:
@@ -184,7 +235,7 @@ def _only_loaded(body: _KernelBody, param: str) -> bool:
             child, parent = name, parents.get(name)
             while isinstance(parent, ast.BinOp) or (isinstance(parent, ast.Subscript) and parent.value is child):
                 child, parent = parent, parents.get(parent)
-            if isinstance(parent, ast.Call) and _dotted(parent.func) in _TRITON_LOADS and (
+            if isinstance(parent, ast.Call) and _dotted(parent.func) in calls and (
                     (parent.args and parent.args[0] is child)
                     or any(k.arg == "pointer" and k.value is child for k in parent.keywords)):
                 continue
@@ -236,8 +287,12 @@ def _triton_signature(source: str, name: str | None = None) -> KernelSignature |
     types = _triton_pointer_types(fn)
     body = _KernelBody.of(fn)
     written = {p for p in params if p.startswith(("out_ptr", "in_out_ptr"))} | (mutated & set(params))
-    written |= {a.arg for a in fn.args.args if not _is_scalar_param(a, types) and not _only_loaded(body, a.arg)}
-    return KernelSignature(params, frozenset(written))
+    pointers = [a.arg for a in fn.args.args if not _is_scalar_param(a, types)]
+    written |= {p for p in pointers if not _only_loaded(body, p)}
+    # a mutated argument is updated where the kernel writes, its old contents kept elsewhere: never "only stored"
+    stores_only = {p for p in pointers if p in written and p not in mutated and not p.startswith("in_out_ptr")
+                   and _only_stored(body, p)}
+    return KernelSignature(params, frozenset(written), frozenset(stores_only))
 
 
 _CPP_SCALARS = {"bool", "char", "int", "long", "float", "double", "int8_t", "int16_t", "int32_t", "int64_t",
@@ -263,6 +318,57 @@ def _cpp_param_written(ctype: str) -> bool:
     return base not in _CPP_SCALARS
 
 
+_CPP_KERNEL = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(([^)]*)\)\s*\{')
+_CPP_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+def _cpp_stores_only(source: str, count: int) -> set[int]:
+    """Return the positions of the C++ kernel's parameters that every use in its body only stores to.
+
+    A use counts as a store only in the two shapes inductor's C++ backend
+    writes: a vector store whose address starts with the pointer
+    (``tmp3.store(out_ptr0 + x0)``, optionally with a count) and a scalar
+    assignment starting a statement (``out_ptr0[x0] = tmp2;``, not ``+=``).
+    Any other occurrence of the name (a load, ``auto in_ptr0 = in_out_ptr0``,
+    a pointer handed to ``transpose_mxn`` or to an atomic, a comment) is
+    taken as a possible read: a kernel group that stores a buffer and reads
+    it back in a later loop never counts.
+    """
+    match = _CPP_KERNEL.search(source)
+    if match is None:
+        return set()
+    declared = [p.strip() for p in match.group(1).split(",") if p.strip()]
+    if len(declared) != count:
+        return set()
+    body = source[match.end():]
+    found = set()
+    for position, declaration in enumerate(declared):
+        names = _CPP_IDENT.findall(declaration)
+        if not names:
+            continue
+        uses = list(re.finditer(rf"\b{re.escape(names[-1])}\b", body))
+        if uses and all(_cpp_is_store(body, m.start(), m.end()) for m in uses):
+            found.add(position)
+    return found
+
+
+def _cpp_is_store(body: str, start: int, end: int) -> bool:
+    """Whether the name at ``body[start:end]`` is the address of a store (see :func:`_cpp_stores_only`)."""
+    before = body[:start].rstrip()
+    after = body[end:].lstrip()
+    if before.endswith(".store("):
+        return after[:1] in ("+", ",", ")")
+    if before[-1:] not in (";", "{", "}") or not after.startswith("["):
+        return False
+    depth = 0
+    for i, char in enumerate(after):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth == 0:
+            rest = after[i + 1:].lstrip()
+            return rest.startswith("=") and not rest.startswith("==")
+    return False
+
+
 def kernel_signatures(module_source: str | ast.Module) -> dict[str, KernelSignature]:
     """Return the signature of every kernel the wrapper module (source, or its parsed tree) compiles."""
     tree = ast.parse(module_source) if isinstance(module_source, str) else module_source
@@ -284,7 +390,10 @@ def kernel_signatures(module_source: str | ast.Module) -> dict[str, KernelSignat
             types = [str(e.value) for e in call.args[0].elts]
             params = tuple(f"arg{i}" for i in range(len(types)))
             written = {p for p, t in zip(params, types) if _cpp_param_written(t)}
-            found[name] = KernelSignature(params, frozenset(written))
+            source = call.args[1].value if len(call.args) > 1 and isinstance(call.args[1], ast.Constant) else None
+            stored = _cpp_stores_only(source, len(types)) if isinstance(source, str) else set()
+            stores_only = {params[i] for i in stored if params[i] in written}
+            found[name] = KernelSignature(params, frozenset(written), frozenset(stores_only))
     return found
 
 
@@ -407,11 +516,14 @@ class _Groups:
         return self.of.get(name)
 
 
-def parse_wrapper(module_source: str, namespace: Mapping[str, Any]) -> KernelProgram:
+def parse_wrapper(module_source: str, namespace: Mapping[str, Any], split_reuses: bool = False) -> KernelProgram:
     """Parse an inductor wrapper module into a :class:`KernelProgram`.
 
     ``namespace`` is the loaded module's globals: it resolves kernel objects
-    and aten ops (for their schemas).
+    and aten ops (for their schemas). With ``split_reuses``, each reuse line
+    that :func:`_splittable_reuses` proves renameable gives its new buffer a
+    storage group of its own (listed in :attr:`KernelProgram.reuses`), so
+    the launch DAG does not order the two buffers' launches.
 
     Raises:
         UnsupportedWrapper: the call function's shape is not one this parser knows.
@@ -422,19 +534,187 @@ def parse_wrapper(module_source: str, namespace: Mapping[str, Any]) -> KernelPro
     signatures = kernel_signatures(tree)
     body, start, end = _schedulable_body(fn)
     inputs = _inputs(fn)
-    groups = _Groups(inputs)
-    for s in body[:start]:  # names bound before the region (inputs, or a guard's prologue)
-        for name in _stored(s):
-            groups.of.setdefault(name, name)
-    if body is not fn.body:
-        for s in fn.body:
-            for name in ([] if isinstance(s, ast.With) else _stored(s)):
+    outputs = _outputs(fn)
+
+    def classify(split: frozenset[int]) -> list[Statement]:
+        groups = _Groups(inputs)
+        for s in body[:start]:  # names bound before the region (inputs, or a guard's prologue)
+            for name in _stored(s):
                 groups.of.setdefault(name, name)
-    statements = []
-    for offset, node in enumerate(body[start:end]):
-        statements.extend(_classify(start + offset, node, groups, signatures, namespace))
-    _attach_origins(statements, lines)
-    return KernelProgram(fn, body, start, end, statements, inputs, _outputs(fn), body is not fn.body)
+        if body is not fn.body:
+            for s in fn.body:
+                for name in ([] if isinstance(s, ast.With) else _stored(s)):
+                    groups.of.setdefault(name, name)
+        statements = []
+        for offset, node in enumerate(body[start:end]):
+            statements.extend(_classify(start + offset, node, groups, signatures, namespace, split))
+        _attach_origins(statements, lines)
+        return statements
+
+    statements = classify(frozenset())
+    lines_of_reuse = _reuse_lines(statements, lines)
+    reuses: tuple[Reuse, ...] = ()
+    if split_reuses and lines_of_reuse:
+        allocations = _whole_allocations(statements, inputs)
+        candidates = frozenset(i for i in lines_of_reuse if i in allocations)
+        while candidates:  # splitting one reuse can change what another sees; stop when all hold at once
+            split = classify(candidates)
+            found = _splittable_reuses(split, candidates, lines_of_reuse, allocations, inputs, outputs)
+            if len(found) == len(candidates):
+                statements, reuses = split, tuple(found[i] for i in sorted(found))
+                break
+            candidates = frozenset(found)
+    return KernelProgram(fn, body, start, end, statements, inputs, outputs, body is not fn.body, reuses,
+                         len(lines_of_reuse))
+
+
+# -- buffer reuse ------------------------------------------------------------------------------
+
+_REUSE_COMMENT = re.compile(r"#\s*reuse\s*$")
+
+
+def _reuse_lines(statements: list[Statement], lines: list[str]) -> dict[int, tuple[str, str]]:
+    """Return {alias statement index: (new name, old name)} for each ``bufN = bufM; del bufM  # reuse`` line.
+
+    Only the shapes inductor writes count: an alias of a name, or
+    ``reinterpret_tensor`` of one, followed by the ``del`` of that name on
+    the same line, which ends with the comment.
+    """
+    found = {}
+    for s, after in zip(statements, statements[1:]):
+        node = s.node
+        if s.kind != "host" or s.fresh or s.bind_group is None or not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and _dotted(value.func) == "reinterpret_tensor" and value.args:
+            value = value.args[0]
+        if not isinstance(value, ast.Name) or after.kind != "del" or after.uses != {value.id} \
+                or after.index != s.index + 1:
+            continue
+        line = lines[node.lineno - 1] if 0 < node.lineno <= len(lines) else ""
+        if _REUSE_COMMENT.search(line) and re.search(rf";\s*del {re.escape(value.id)}\b", line):
+            found[s.index] = (node.targets[0].id, value.id)
+    return found
+
+
+_COPYABLE_ALLOCATORS = _ALLOCATORS - {"empty_strided_p2p"}  # symmetric memory is not a private allocation
+
+
+def _whole_allocations(statements: list[Statement], inputs: tuple[str, ...]) -> dict[int, ast.Call]:
+    """Return {alias statement index: allocator call} where the alias's source names that whole allocation.
+
+    A name holds a whole allocation when an allocator call of constant
+    arguments bound it, or a plain alias of such a name did; a view, an
+    input, a kernel's result or a barrier's never does, so a reuse of one
+    keeps its alias.
+    """
+    local = set(inputs).union(*(s.binds for s in statements))
+    whole: dict[str, ast.Call] = {}
+    found: dict[int, ast.Call] = {}
+    for s in statements:
+        node = s.node
+        if s.kind == "host" and s.bind_group is not None and isinstance(node, ast.Assign):
+            target, value = node.targets[0].id, node.value
+            func = _dotted(value.func) if isinstance(value, ast.Call) else None
+            if s.fresh and func is not None and func.split(".")[-1] in _COPYABLE_ALLOCATORS \
+                    and not (_names(value) & local):
+                whole[target] = value
+                continue
+            source = value.args[0] if func == "reinterpret_tensor" and value.args else value
+            if isinstance(source, ast.Name) and source.id in whole:
+                found[s.index] = whole[source.id]
+                if source is value:
+                    whole[target] = whole[source.id]
+                    continue
+        for name in s.binds | (s.uses if s.kind == "del" else set()):
+            whole.pop(name, None)
+    return found
+
+
+def _splittable_reuses(statements: list[Statement], candidates: frozenset[int], reuse_lines: dict[int, tuple[str, str]],
+                       allocations: dict[int, ast.Call], inputs: tuple[str, ...],
+                       outputs: tuple[str, ...]) -> dict[int, Reuse]:
+    """Return the candidates that hold in ``statements`` (parsed with them split), each as a :class:`Reuse`.
+
+    A reuse may be split only when nothing but the dead memory ties the two
+    buffers, each proven, else it keeps its alias:
+
+    - the first launch touching the new group only stores to it
+      (:attr:`Statement.stores_only`): an in-place kernel (``in_out_ptr``)
+      reads what the old buffer left, a true dependence;
+    - no other name of the old group (an earlier view or alias) is named
+      after the reuse line, nor returned: the old storage is really dead;
+    - a launch touched the old group after its name was bound, so the
+      alias can be placed where that name is already bound;
+    - the old name holds a whole allocation (:func:`_whole_allocations`),
+      which :attr:`Reuse.fresh` repeats.
+    """
+    state = {name: name for name in inputs}
+    named: dict[str, list[int]] = {}     # group -> positions of statements naming it
+    touched: dict[str, list[int]] = {}   # group -> positions of launches accessing it
+    old_of: dict[int, tuple[str | None, int]] = {}  # candidate -> (its source's group, where the source was bound)
+    bound_at: dict[str, int] = {}
+    for k, s in enumerate(statements):
+        if s.index in candidates and s.kind == "host":
+            source = reuse_lines[s.index][1]
+            old_of[s.index] = (state.get(source), bound_at.get(source, -1))
+        for name in s.uses:
+            if state.get(name) is not None:
+                named.setdefault(state[name], []).append(k)
+        if s.is_launch:
+            for g in s.groups | s.reads | s.writes:
+                touched.setdefault(g, []).append(k)
+        if s.kind == "del":
+            for name in s.uses:
+                state.pop(name, None)
+        for name in s.binds:
+            bound_at[name] = k
+            if s.bind_group is None:
+                state.pop(name, None)
+            else:
+                state[name] = s.bind_group
+                named.setdefault(s.bind_group, []).append(k)
+    for name in outputs:
+        if state.get(name) is not None:
+            named.setdefault(state[name], []).append(len(statements))
+    found = {}
+    for k, s in enumerate(statements):
+        if s.index not in old_of:
+            continue
+        old, source_bound = old_of[s.index]
+        new = s.bind_group
+        own_del = k + 1  # the reuse line's own ``del`` of the old name
+        if old is None or new is None or old == new:
+            continue
+        if any(p > k and p != own_del for p in named.get(old, ())) or any(p > k for p in touched.get(old, ())):
+            continue
+        if not any(source_bound < p < k for p in touched.get(old, ())):
+            continue
+        first = next((p for p in touched.get(new, ()) if p > k), None)
+        if first is None or new not in statements[first].stores_only:
+            continue
+        found[s.index] = Reuse(s.index, old, new, statements[first].index,
+                               _fresh_allocation(s, allocations[s.index]))
+    return found
+
+
+def _fresh_allocation(alias: Statement, allocation: ast.Call) -> Statement:
+    """Return the statement binding the reuse's new name to a fresh allocation made like the old buffer's.
+
+    ``buf9 = buf5`` becomes ``buf9 = <buf5's allocator call>``;
+    ``buf9 = reinterpret_tensor(buf5, ...)`` reinterprets such a call the same way.
+    """
+    node = alias.node
+    assert isinstance(node, ast.Assign)
+    value = copy.deepcopy(node.value)
+    if isinstance(value, ast.Call):
+        value.args[0] = copy.deepcopy(allocation)
+    else:
+        value = copy.deepcopy(allocation)
+    statement = ast.copy_location(ast.Assign(targets=copy.deepcopy(node.targets), value=value), node)
+    group = alias.bind_group
+    return Statement(alias.index, statement, "host", frozenset(_names(statement)), alias.binds,
+                     groups=frozenset({group}), fresh=frozenset({group}), bind_group=group)
 
 
 def source_namespace(module_source: str) -> dict[str, Any]:
@@ -468,7 +748,7 @@ def _group_set(names: set[str], groups: _Groups) -> set[str]:
 
 
 def _classify(index: int, node: ast.stmt, groups: _Groups, signatures: dict[str, KernelSignature],
-              namespace: Mapping[str, Any]) -> list[Statement]:
+              namespace: Mapping[str, Any], split: frozenset[int] = frozenset()) -> list[Statement]:
     uses = _names(node)
     if isinstance(node, ast.Delete):
         return [Statement(index, ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del())]), "del", frozenset({n}),
@@ -487,8 +767,11 @@ def _classify(index: int, node: ast.stmt, groups: _Groups, signatures: dict[str,
         elif func is not None and func.split(".")[-1] in _VIEWS and value.args and isinstance(value.args[0], ast.Name):
             source = value.args[0].id
         if source is not None and groups.get(source) is not None:  # an alias: same storage, no kernel
-            group = groups.get(source)
-            groups.of[target] = group
+            if index in split:  # a reuse given its own group; wrapper_emit decides which storage it gets
+                group = groups.fresh(target)
+            else:
+                group = groups.get(source)
+                groups.of[target] = group
             return [Statement(index, node, "host", frozenset(uses), frozenset({target}), groups=frozenset({group}),
                               bind_group=group)]
         if func is not None and func.split(".")[-1] in _ALLOCATORS:
@@ -522,6 +805,8 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
     func = _dotted(call.func)
     reads: set[str] = set()
     writes: set[str] = set()
+    stored: set[str] = set()   # groups named by arguments the kernel only stores to
+    other: set[str] = set()    # groups named by any other argument
     output_alias: str | None = None
     if func is None or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         return _barrier(index, node, groups)  # unpacked arguments: which parameter gets what is unknown
@@ -540,12 +825,16 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
             reads |= touched
             if param is None or param in signature.written:
                 writes |= touched
+            (stored if param is not None and param in signature.stores_only else other).update(touched)
     elif func.startswith("extern_kernels."):
         reads = _group_set(uses, groups)
         if func[len("extern_kernels."):] in _EXTERN_OUT_ONLY:
             out = next((k.value for k in call.keywords if k.arg == "out"), None)
             if out is not None:
                 writes = _group_set(_names(out), groups)
+                stored = set(writes)  # these kernels overwrite ``out=`` (a matmul's ``beta`` scales ``self``)
+                other = _group_set(set().union(*(_names(a) for a in call.args),
+                                               *(_names(k.value) for k in call.keywords if k.arg != "out")), groups)
         else:  # an extern kernel whose writes we do not know: everything it is given may be written
             writes = set(reads)
     elif (isinstance(call.func, ast.Attribute) and call.func.attr in _INPLACE_METHODS
@@ -553,6 +842,9 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
           and target is None):
         reads = _group_set(uses, groups)
         writes = _group_set({call.func.value.id}, groups)
+        stored = set(writes)  # ``zero_()`` sets every element, whatever was there
+        other = _group_set(set().union(*(_names(a) for a in call.args), *(_names(k.value) for k in call.keywords)),
+                           groups)
     elif isinstance(op, torch._ops.OpOverload):
         reads = _group_set(uses, groups)
         schema = op._schema
@@ -590,7 +882,8 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
             writes.add(group)
     touched = reads | writes | _group_set(uses | binds, groups)
     return Statement(index, node, "launch", frozenset(uses), frozenset(binds), frozenset(reads),
-                     frozenset(writes), (), frozenset(touched - {WORLD, RNG}), frozenset(fresh), group)
+                     frozenset(writes), (), frozenset(touched - {WORLD, RNG}), frozenset(fresh), group,
+                     frozenset((stored & writes) - other))
 
 
 def _bind_schema(schema: torch.FunctionSchema, call: ast.Call) -> dict[str, ast.AST]:

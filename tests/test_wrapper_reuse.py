@@ -1,0 +1,438 @@
+"""Tests for inductor's buffer reuse kept only where the streams order it (``buffer_reuse="ordered"``).
+
+``buf2 = buf0; del buf0  # reuse`` puts branch B's buffer in branch A's dead
+memory. Read as one storage, that line orders B's first kernel after every
+kernel of A and chains the branches. With ``split_reuses`` the parse
+(:mod:`concur.inductor.wrapper_parse`) gives buf2 a group of its own when
+the kernel writing it first only stores to it, and the plan
+(:mod:`concur.inductor.wrapper_emit`) keeps the reuse where its schedule
+orders A before B anyway, else allocates buf2 afresh. The hand-written
+wrapper below is that two-branch graph, with a third independent launch
+first so that branch A's stream is not the caller's.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import gzip
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import torch
+import torch.nn as nn
+
+import schedulers
+from concur.dag.cost import Roofline
+from concur.inductor.wrapper_emit import (build_call, kept_reuses, launch_dag, place_kernels, plan_emission,
+                                          schedule_launches)
+from concur.inductor.wrapper_parse import (_cpp_stores_only, _triton_signature, kernel_signatures, parse_wrapper,
+                                           parse_wrapper_source, source_namespace)
+
+COPY = '''
+@triton.jit
+def triton_poi_copy(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    tmp0 = tl.load(in_ptr0 + (xindex), xmask)
+    tl.store(out_ptr0 + (xindex), tmp0, xmask)
+'''
+
+ADD_INPLACE = '''
+@triton.jit
+def triton_poi_add(in_out_ptr0, in_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    tmp0 = tl.load(in_out_ptr0 + (xindex), xmask)
+    tmp1 = tl.load(in_ptr0 + (xindex), xmask)
+    tl.store(in_out_ptr0 + (xindex), tmp0 + tmp1, xmask)
+'''
+
+WRAPPER = f"""
+import torch
+triton_poi_copy = async_compile.triton('triton_poi_copy', '''{COPY}''', device_str='cuda')
+triton_poi_add = async_compile.triton('triton_poi_add', '''{ADD_INPLACE}''', device_str='cuda')
+
+def call(args):
+    primals_1, primals_2, primals_3 = args
+    args.clear()
+    with torch.cuda._DeviceGuard(0):
+        torch.cuda.set_device(0)
+        buf9 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [c], Original ATen: [aten.clone]
+        stream0 = get_raw_stream(0)
+        triton_poi_copy.run(primals_3, buf9, 8, stream=stream0)
+        buf0 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [a0], Original ATen: [aten.clone]
+        stream0 = get_raw_stream(0)
+        triton_poi_copy.run(primals_1, buf0, 8, stream=stream0)
+        buf1 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [a1], Original ATen: [aten.clone]
+        stream0 = get_raw_stream(0)
+        triton_poi_copy.run(buf0, buf1, 8, stream=stream0)
+        buf2 = buf0; del buf0  # reuse
+        # Topologically Sorted Source Nodes: [b0], Original ATen: [aten.clone]
+        stream0 = get_raw_stream(0)
+        triton_poi_copy.run(primals_2, buf2, 8, stream=stream0)
+        buf3 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [b1], Original ATen: [aten.clone]
+        stream0 = get_raw_stream(0)
+        triton_poi_copy.run(buf2, buf3, 8, stream=stream0)
+        del buf2
+    return (buf1, buf3, buf9, )
+"""
+
+B0 = "triton_poi_copy.run(primals_2, buf2"
+
+
+def parse(source: str = WRAPPER, split: bool = True):
+    return parse_wrapper(source, {"torch": torch}, split_reuses=split)
+
+
+def launch(program, text: str) -> int:
+    (s,) = [s for s in program.launches if ast.unparse(s.node).startswith(text)]
+    return s.index
+
+
+def launches(program) -> dict[str, int]:
+    return {name: launch(program, text) for name, text in [
+        ("c", "triton_poi_copy.run(primals_3"), ("a0", "triton_poi_copy.run(primals_1"),
+        ("a1", "triton_poi_copy.run(buf0"), ("b0", B0), ("b1", "triton_poi_copy.run(buf2")]}
+
+
+def schedule(program, dag, streams: dict[str, int], order=("c", "a0", "a1", "b0", "b1"), orders=()):
+    """The launches in ``order`` on the given streams; ``orders`` adds waits the DAG does not need."""
+    at = launches(program)
+    need = dag.copy()
+    need.add_edges_from((at[u], at[v]) for u, v in orders)
+    result = schedulers.build_schedule(need, [at[n] for n in order], {at[n]: s for n, s in streams.items()}, "test")
+    assert not schedulers.validate(dag, result)
+    return result
+
+
+def codes(plan) -> list[str]:
+    return [ast.unparse(s.statement.node) for s in plan.steps if s.op == "stmt"]
+
+
+def protects(plan) -> dict[str, tuple[int, ...]]:
+    return {s.name: s.streams for s in plan.steps if s.op == "protect"}
+
+
+# ---------------------------------------------------------------- the parse
+
+
+def test_a_reuse_by_a_kernel_that_only_stores_gets_its_own_group_and_no_edge():
+    inductor, split = parse(split=False), parse()
+    at = launches(split)
+    chained = launch_dag(inductor, {}, 1.0)
+    assert nx.has_path(chained, at["a1"], at["b0"])  # read as one storage: B waits for A
+    dag = launch_dag(split, {}, 1.0)
+    assert not any(nx.has_path(dag, u, v) or nx.has_path(dag, v, u)
+                   for u in (at["a0"], at["a1"]) for v in (at["b0"], at["b1"]))
+    (reuse,) = split.reuses
+    assert split.reuse_lines == inductor.reuse_lines == 1 and inductor.reuses == ()
+    assert reuse.first_access == at["b0"] and reuse.old_group != reuse.new_group
+    assert ast.unparse(reuse.fresh.node) == "buf2 = empty_strided_cuda((8,), (1,), torch.float32)"
+    assert reuse.fresh.fresh == {reuse.new_group}
+
+
+def test_an_in_place_reuse_keeps_its_alias_and_its_edge():
+    source = WRAPPER.replace(B0, "triton_poi_add.run(buf2, primals_2")
+    program = parse(source)
+    assert program.reuses == () and program.reuse_lines == 1
+    dag = launch_dag(program, {}, 1.0)
+    assert nx.has_path(dag, launch(program, "triton_poi_copy.run(buf0"), launch(program, "triton_poi_add.run(buf2"))
+
+
+@pytest.mark.parametrize("change", [
+    # an earlier view of buf0 read after the reuse line: buf0's memory is not dead
+    ("buf2 = buf0; del buf0  # reuse", "buf4 = reinterpret_tensor(buf0, (8, ), (1, ), 0)\n"
+     "        buf2 = buf0; del buf0  # reuse\n        extern_kernels.mm(buf4, primals_1, out=buf9)"),
+    # the old buffer is an input: there is no allocation to repeat
+    ("buf2 = buf0; del buf0  # reuse", "buf2 = primals_1; del primals_1  # reuse"),
+    # the old buffer was made by a kernel, not by an allocator
+    ("buf0 = empty_strided_cuda((8, ), (1, ), torch.float32)", "buf0 = extern_kernels.mm(primals_1, primals_3)"),
+    # the first kernel writing the new buffer also reads it through another argument
+    (B0, "triton_poi_copy.run(buf2, buf2"),
+])
+def test_a_reuse_that_cannot_be_proven_renameable_keeps_its_alias(change):
+    program = parse(WRAPPER.replace(*change))
+    assert program.reuses == () and program.reuse_lines == 1
+
+
+def test_a_reinterpreted_reuse_reinterprets_a_fresh_allocation():
+    program = parse(WRAPPER.replace("buf2 = buf0; del buf0  # reuse",
+                                    "buf2 = reinterpret_tensor(buf0, (2, 4), (4, 1), 0); del buf0  # reuse"))
+    (reuse,) = program.reuses
+    assert ast.unparse(reuse.fresh.node) == \
+        "buf2 = reinterpret_tensor(empty_strided_cuda((8,), (1,), torch.float32), (2, 4), (4, 1), 0)"
+
+
+def test_an_extern_kernel_overwrites_only_its_out():
+    mm = "extern_kernels.mm(primals_2, primals_3, out=buf2)"
+    assert len(parse(WRAPPER.replace(B0 + ", 8, stream=stream0)", mm)).reuses) == 1
+    addmm = "extern_kernels.addmm(buf2, primals_2, primals_3, alpha=1, beta=1, out=buf2)"  # reads what it scales
+    assert parse(WRAPPER.replace(B0 + ", 8, stream=stream0)", addmm)).reuses == ()
+
+
+def stores_only(body: str, params: str = "in_ptr0, out_ptr0", mutated: str = "") -> set[str]:
+    src = (f"@triton_heuristics.pointwise(inductor_meta={{'mutated_arg_names': [{mutated}]}})\n@triton.jit\n"
+           f"def k({params}, xnumel, XBLOCK : tl.constexpr):\n"
+           + "\n".join("    " + line for line in body.strip().splitlines()))
+    return set(_triton_signature(src).stores_only)
+
+
+def test_triton_pointers_only_stored_to():
+    assert stores_only("tl.store(out_ptr0 + (xindex), tl.load(in_ptr0 + xindex), xmask)") == {"out_ptr0"}
+    assert stores_only("p = out_ptr0 + xindex\ntl.store(p, 1.0)") == {"out_ptr0"}
+    assert stores_only("tl.store(out_ptr0 + x, 1.0)\ny = tl.load(out_ptr0 + x)") == set()  # read back
+    assert stores_only("tl.atomic_add(out_ptr0 + x, 1.0)") == set()  # an atomic reads the old value
+    assert stores_only("tl.store(out_ptr0 + x, 1.0)", mutated="'out_ptr0'") == set()  # updates what is there
+    assert stores_only("tl.store(in_out_ptr0 + x, 1.0)", params="in_out_ptr0") == set()
+    assert stores_only("pass") == set()  # never used: nothing proven
+
+
+CPP = '''
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(float* in_out_ptr0,
+                       const float* in_ptr1,
+                       float* out_ptr0,
+                       float* out_ptr1,
+                       float* out_ptr2,
+                       float* out_ptr3)
+{
+    auto in_ptr0 = in_out_ptr0;
+    for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(8L); x0+=static_cast<int64_t>(16L))
+    {
+        auto tmp0 = at::vec::Vectorized<float>::loadu(in_ptr0 + static_cast<int64_t>(x0), static_cast<int64_t>(8L));
+        tmp0.store(out_ptr0 + static_cast<int64_t>(x0), static_cast<int64_t>(8L));
+        tmp0.store(out_ptr1 + static_cast<int64_t>(x0));
+        out_ptr2[static_cast<int64_t>(x0)] = in_ptr1[static_cast<int64_t>(x0)];
+        out_ptr3[static_cast<int64_t>(x0)] += in_ptr1[static_cast<int64_t>(x0)];
+        tmp0.store(in_out_ptr0 + static_cast<int64_t>(x0));
+    }
+    {
+        auto tmp1 = at::vec::Vectorized<float>::loadu(out_ptr1 + static_cast<int64_t>(0L), static_cast<int64_t>(8L));
+    }
+}
+'''
+
+
+def test_cpp_pointers_only_stored_to():
+    # out_ptr0 and out_ptr2 are only stored to; out_ptr1 is read back, out_ptr3 accumulated into,
+    # in_out_ptr0 read through a local
+    assert _cpp_stores_only(CPP, 6) == {2, 4}
+    assert _cpp_stores_only(CPP, 5) == set()  # the declaration does not match the types: nothing proven
+    types = "['float*', 'const float*', 'float*', 'float*', 'float*', 'float*']"
+    sig = kernel_signatures(f"k = async_compile.cpp_pybinding({types}, '''{CPP}''')\n")["k"]
+    assert sig.stores_only == {"arg2", "arg4"}
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_branches_on_two_streams_get_a_fresh_allocation():
+    program = parse()
+    dag = launch_dag(program, {}, 1.0)
+    plan = plan_emission(program, schedule(program, dag, {"c": 0, "a0": 1, "a1": 1, "b0": 0, "b1": 0}), dag)
+    assert plan.num_streams == 2 and plan.num_waits == 0  # nothing orders the branches
+    assert (plan.reuses_kept, plan.reuses_fresh) == (0, 1)
+    emitted = codes(plan)
+    assert "buf2 = buf0" not in emitted
+    fresh = emitted.index("buf2 = empty_strided_cuda((8,), (1,), torch.float32)")
+    assert fresh < emitted.index(B0 + ", 8, stream=stream0)")
+    assert "buf2" not in protects(plan) and "buf0" not in protects(plan)  # each used on its own stream only
+
+
+def test_one_stream_keeps_the_reuse_as_inductor_wrote_it():
+    program = parse()
+    dag = launch_dag(program, {}, 1.0)
+    plan = plan_emission(program, schedule(program, dag, dict.fromkeys(["c", "a0", "a1", "b0", "b1"], 0)), dag)
+    assert (plan.reuses_kept, plan.reuses_fresh) == (1, 0)
+    assert "buf2 = buf0" in codes(plan) and "del buf0" in codes(plan)
+
+
+def test_one_stream_in_another_order_makes_it_fresh():
+    """On one stream too, a B kernel issued before A's last one would write A's memory under it."""
+    program = parse()
+    dag = launch_dag(program, {}, 1.0)
+    plan = plan_emission(program, schedule(program, dag, dict.fromkeys(["c", "a0", "a1", "b0", "b1"], 0),
+                                           order=("c", "a0", "b0", "a1", "b1")), dag)
+    assert (plan.reuses_kept, plan.reuses_fresh) == (0, 1)
+
+
+def test_an_event_that_orders_the_branches_keeps_the_reuse_and_protects_the_shared_memory():
+    program = parse()
+    dag = launch_dag(program, {}, 1.0)
+    plan = plan_emission(program, schedule(program, dag, {"c": 0, "a0": 1, "a1": 1, "b0": 0, "b1": 0},
+                                           orders=[("a1", "b0")]), dag)
+    assert (plan.reuses_kept, plan.reuses_fresh) == (1, 0) and plan.num_waits == 1
+    assert "buf2 = buf0" in codes(plan)
+    # buf0's memory was allocated on stream 1 (branch A); through buf2, branch B used it on stream 0
+    assert protects(plan)["buf2"] == (0,)
+
+
+def test_a_kept_reuse_the_steps_do_not_order_is_refused(monkeypatch):
+    import concur.inductor.wrapper_emit as emit
+
+    program = parse()
+    dag = launch_dag(program, {}, 1.0)
+    unordered = schedule(program, dag, {"c": 0, "a0": 1, "a1": 1, "b0": 0, "b1": 0})
+    monkeypatch.setattr(emit, "kept_reuses", lambda program, schedule: frozenset(r.statement for r in program.reuses))
+    with pytest.raises(ValueError, match="keeps a buffer reuse its streams do not order"):
+        plan_emission(program, unordered, dag)
+
+
+def test_the_rewritten_call_runs_with_the_fresh_allocation():
+    program = parse()
+    dag = launch_dag(program, {}, 1.0)
+    plan = plan_emission(program, schedule(program, dag, {"c": 0, "a0": 1, "a1": 1, "b0": 0, "b1": 0}), dag)
+    assert plan.reuses_fresh == 1
+
+    class Copy:
+        @staticmethod
+        def run(source, target, n, stream=None):
+            target.copy_(source)
+
+    fake_cuda = type("Cuda", (), {"_DeviceGuard": staticmethod(lambda i: contextlib.nullcontext()),
+                                  "set_device": staticmethod(lambda i: None)})
+    namespace = {"torch": type("T", (), {"cuda": fake_cuda, "float32": torch.float32}),
+                 "get_raw_stream": lambda i: 0, "triton_poi_copy": Copy, "triton_poi_add": Copy,
+                 "empty_strided_cuda": lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)}
+    call, _ = build_call(program, plan, namespace)
+    a, b, c = torch.randn(8), torch.randn(8), torch.randn(8)
+    out_a, out_b, out_c = call([a, b, c])
+    assert torch.equal(out_a, a) and torch.equal(out_b, b) and torch.equal(out_c, c)
+
+
+def test_place_kernels_counts_what_runs(monkeypatch):
+    """Installed, the plan's own counts; left on one stream by the gate, inductor's call keeps every reuse."""
+    from concur import _torch_compat as compat
+
+    installed: list = []
+    monkeypatch.setattr(compat, "inductor_wrapper", lambda compiled: (WRAPPER, {"torch": torch}, None,
+                                                                      installed.append))
+    roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=0.0)
+    costs = {name: (10.0, {}) for name in ("c", "a0", "a1", "b0", "b1")}
+    placed = place_kernels(object(), costs, roof, 4, "critical_path", split_reuses=True)
+    assert placed.installed and placed.plan.num_streams > 1
+    assert (placed.reuses_kept, placed.reuses_fresh) == (0, 1)
+    gated = place_kernels(object(), costs, roof, 4, "critical_path", min_predicted_speedup=100.0, split_reuses=True)
+    assert not gated.installed and (gated.reuses_kept, gated.reuses_fresh) == (1, 0)
+    chained = place_kernels(object(), costs, roof, 4, "critical_path")  # the reuse read as inductor's one storage
+    assert (chained.reuses_kept, chained.reuses_fresh) == (1, 0)
+
+
+# ---------------------------------------------------------------- a real wrapper
+
+
+WRAPPERS = Path(__file__).parent / "fixtures" / "wrappers"
+GOLDEN = WRAPPERS / "torch2.11.0-cuda" / "googlenet_fp32_bwd"
+
+
+@pytest.mark.parametrize("path", [GOLDEN, WRAPPERS / "torch2.14.1-cpu" / "googlenet_fp32_bwd"],
+                         ids=["cuda-2.11-googlenet-bwd", "cpu-2.14.1-googlenet-bwd"])
+def test_real_wrappers_split_no_reuse_their_first_kernel_reads(path):
+    """Inductor's scheduler (the oracle) must not list the old or the new buffer among the first kernel's reads.
+
+    Such a read would make the reuse an in-place update, whose alias must
+    stay; triton kernels (CUDA) and C++ kernel groups (CPU) are each read
+    their own way. Every split reuse of every checked-in wrapper passes this
+    check; two are run here to stay fast.
+    """
+    from tests.test_golden_wrappers import load
+
+    golden = load(path)
+    split = parse_wrapper(golden.source, source_namespace(golden.source), split_reuses=True)
+    assert 0 < len(split.reuses) < split.reuse_lines == golden.program.reuse_lines
+    position = {s.index: k for k, s in enumerate(split.statements)}
+    index = {s.index: s for s in split.statements}
+    for reuse in split.reuses:
+        (new,) = index[reuse.statement].binds
+        (old,) = index[reuse.statement].uses - {"reinterpret_tensor"}
+        nodes = [n for n in golden.nodes if golden.launch_of.get(n["name"]) == position[reuse.first_access]]
+        assert nodes, ast.unparse(index[reuse.first_access].node)[:80]
+        for node in nodes:
+            reads = {golden.real_name.get(r, r) for r in node["reads"]}
+            assert not reads & {old, new}, (node["name"], ast.unparse(index[reuse.statement].node))
+
+
+def test_a_real_wrapper_keeps_every_reuse_on_one_stream_and_some_on_four():
+    """GoogLeNet's backward on the H100 (torch 2.11), costed one unit per launch.
+
+    On one stream in program order every reuse is kept, as inductor wrote
+    them; a 4-stream schedule of the split DAG keeps some, makes the rest
+    fresh, and is shorter than the schedule of the DAG the reuses chain.
+    """
+    source = gzip.open(GOLDEN / "wrapper.py.gz", "rt").read()
+    chained, split = parse_wrapper_source(source), parse_wrapper(source, source_namespace(source), split_reuses=True)
+    dag = launch_dag(split, {}, 1.0)
+    order = [s.index for s in split.launches]
+    one = plan_emission(split, schedulers.build_schedule(dag, order, dict.fromkeys(order, 0), "program"), dag)
+    assert (one.reuses_kept, one.reuses_fresh) == (split.reuse_lines, 0)
+    four = schedule_launches(dag, 4, "critical_path", 0.0)
+    plan = plan_emission(split, four, dag)
+    assert plan.num_streams == 4 and plan.reuses_fresh > 0
+    assert plan.reuses_kept > split.reuse_lines - len(split.reuses)  # some split reuses are ordered anyway
+    assert plan.reuses_kept + plan.reuses_fresh == split.reuse_lines
+    assert len(kept_reuses(split, four)) == len(split.reuses) - plan.reuses_fresh
+    assert four.makespan < schedule_launches(launch_dag(chained, {}, 1.0), 4, "critical_path", 0.0).makespan
+
+
+# ---------------------------------------------------------------- through inductor (CPU)
+
+
+class LinearBranches(nn.Module):
+    """Three chains of linear layers, summed: the backward's matmuls write into ``out=`` buffers inductor reuses."""
+
+    def __init__(self, branches: int = 3, width: int = 16, depth: int = 3):
+        super().__init__()
+        self.branches = nn.ModuleList(
+            nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+            for _ in range(branches))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.head(sum(branch(x) for branch in self.branches))
+
+
+@pytest.mark.inductor
+def test_ordered_reuse_trains_like_eager_and_reports_its_reuses(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    import concur
+    from concur import _torch_compat as compat
+    from tests.test_backend import NO_MERGE, compare_compiled, forward_and_backward
+
+    seen, compile_graph = [], compat.inductor_compile_graph
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.allow_buffer_reuse)
+        return compile_graph(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "inductor_compile_graph", spy)
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(allow_buffer_reuse=False):  # "ordered" compiles with reuse whatever is set
+            torch.manual_seed(0)
+            backend = concur.backend(streams=4, roofline=NO_MERGE, buffer_reuse="ordered")
+            compare_compiled(LinearBranches(), lambda: torch.randn(4, 16), backend)
+    finally:
+        torch._dynamo.reset()
+    assert seen == [True, True]
+    fw, bw = forward_and_backward(backend.graphs)
+    for g in (fw, bw):
+        assert g.fallback_reason is None and g.num_streams > 1 and g.num_barriers == 0, g
+    # the backward's branches write their matmuls into memory inductor took from another branch
+    assert bw.reuses_fresh > 0 and bw.reuses_kept + bw.reuses_fresh > bw.reuses_fresh, bw
+
+
+def test_buffer_reuse_takes_true_false_or_ordered():
+    import concur
+
+    assert concur.backend(buffer_reuse="ordered").options.buffer_reuse == "ordered"
+    with pytest.raises(ValueError, match="buffer_reuse must be True, False or 'ordered'"):
+        concur.backend(buffer_reuse="sometimes")
+    with pytest.raises(ValueError, match="buffer_reuse='ordered' needs route='wrapper'"):
+        concur.backend(buffer_reuse="ordered", route="inductor_streams")
