@@ -184,6 +184,7 @@ def test_fused_rows_record_what_the_backend_made_of_each_graph():
 
 @pytest.mark.parametrize("mode, options, priority", [
     ("fused:4", None, True), ("fused_reuse:4", {"buffer_reuse": True}, True),
+    ("fused_ordered:4", {"buffer_reuse": "ordered"}, True),
     ("fused_nosplit:4", {"split_weight_grads": False}, True), ("fused_noprio:4", None, False),
     ("fused_gate105:4", {"min_predicted_speedup": 1.05}, True),
     ("compile_graph", None, True)])

@@ -21,6 +21,7 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
                         defaults (inductor's kernels placed on streams after fusion, no buffer
                         reuse, backward convolutions split into input and weight parts)
     fused_reuse:K       fused with buffer_reuse=True (inductor's memory footprint)
+    fused_ordered:K     fused with buffer_reuse="ordered" (inductor's reuse kept where the streams order it)
     fused_nosplit:K     fused with split_weight_grads=False (AOTAutograd's joint convolution backward)
     fused_noprio:K      fused, the step captured on an ordinary stream (stream_priority=False)
     fused_prio:K        stream_priority=True, named apart in rows measured while False was the default

@@ -11,14 +11,15 @@ from pathlib import Path
 
 ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
-FUSED_MODES = ("fused", "fused_fresh", "fused_reuse", "fused_nosplit", "fused_prio", "fused_noprio", "fused_gate105")
+FUSED_MODES = ("fused", "fused_fresh", "fused_reuse", "fused_ordered", "fused_nosplit", "fused_prio", "fused_noprio",
+               "fused_gate105")
 CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", *FUSED_MODES, "critical_path")
 CONCUR_MODES = ("eager_streams", "concur_graph", *FUSED_MODES)  # the rest: what a user has
 COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES)  # a child each
 # the backend's options per fused mode (None: concur.backend's defaults); fused_noprio differs in train_step
 FUSED_OPTIONS = {"fused": None, "fused_fresh": {"buffer_reuse": False}, "fused_reuse": {"buffer_reuse": True},
-                 "fused_nosplit": {"split_weight_grads": False}, "fused_prio": None, "fused_noprio": None,
-                 "fused_gate105": {"min_predicted_speedup": 1.05}}
+                 "fused_ordered": {"buffer_reuse": "ordered"}, "fused_nosplit": {"split_weight_grads": False},
+                 "fused_prio": None, "fused_noprio": None, "fused_gate105": {"min_predicted_speedup": 1.05}}
 PRECISIONS = ("fp32", "bf16", "fp32-cl")  # bf16 = autocast + channels-last; fp32-cl = fp32, channels-last
 CHANNELS_LAST_PRECISIONS = ("bf16", "fp32-cl")
 DEFAULT_BATCHES = [8, 32, 64, 128]
