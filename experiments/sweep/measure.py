@@ -179,7 +179,7 @@ def compiled_graphs(step: Any) -> list[dict]:
                  waits=g.num_waits, barriers=g.num_barriers, fallback=g.fallback_reason,
                  ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4),
                  one_stream=g.one_stream_reason, convolutions_split=g.convolutions_split,
-                 weight_grad_ops=g.weight_grad_ops)
+                 weight_grad_ops=g.weight_grad_ops, reuses_kept=g.reuses_kept, reuses_fresh=g.reuses_fresh)
             for backend in step.backends.values() for g in backend.graphs]
 
 
