@@ -448,3 +448,40 @@ def note_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     ("Detected call of lr_scheduler.step() before optimizer.step()").
     """
     optimizer._opt_called = True
+
+
+# --- Module calls and saved tensors, read by concur.fx.weight_grads --------------------------------
+
+_LOCAL_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+
+
+def module_call_runs_more_than_forward(module: torch.nn.Module) -> bool:
+    """Return True if ``module(x)`` would do more than ``forward(x)``: hooks (its own or global), or a compiled call.
+
+    Reads the private dictionaries ``nn.Module._call_impl`` checks for its
+    fast path (stable since torch 2.0). A name this torch lacks counts as a
+    hook: whoever asks then keeps the plain module call.
+    """
+    from torch.nn.modules import module as module_mod
+
+    try:
+        own = any(getattr(module, name) for name in _LOCAL_HOOKS)
+        everyone = any(getattr(module_mod, name) for name in _GLOBAL_HOOKS)
+    except AttributeError:  # pragma: no cover - depends on torch version
+        return True
+    return own or everyone or module.__dict__.get("_compiled_call_impl") is not None
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Return True if saved-tensor hooks (``saved_tensors_hooks``, ``save_on_cpu``, checkpointing) are active.
+
+    Asks the private ``torch._C._autograd._top_saved_tensors_default_hooks``,
+    which torch's own checkpointing asks too; if this torch lacks it, hooks
+    count as active.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # pragma: no cover - depends on torch version
+        return True
+    return top(False) is not None

@@ -15,11 +15,20 @@ free is done, so peak memory stays close to the serial plan's, and (2) the
 same protection covers tensors that autograd saves for backward, which live
 past the join. During CUDA-graph capture the allocator defers such frees to
 the end of capture, which is also safe.
+
+A plan that splits weight gradients off (:mod:`concur.fx.weight_grads`) has
+one more stream, the weight-gradient stream. No kernel runs on it in forward:
+it is current only while autograd records a weight-gradient node, so that
+backward runs that node there. Autograd makes it wait for the gradient it
+reads (an event from the producing stream, which also brings it into a CUDA
+graph capture) and makes the stream that called ``backward`` wait for it at
+the end of backward, before the optimizer (the engine's leaf streams).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -29,12 +38,14 @@ from concur.dag.annotate import tensors_in
 class StreamRuntime:
     """Streams and events of one plan, bound lazily to the device of the first CUDA input."""
 
-    def __init__(self, num_streams: int, num_events: int):
+    def __init__(self, num_streams: int, num_events: int, weight_grad_stream: bool = False):
         self.num_streams = num_streams
         self.num_events = num_events
+        self.has_weight_grad_stream = weight_grad_stream
         self.active = False
         self._device: torch.device | None = None
         self._side: list[torch.cuda.Stream] = []
+        self._weight_grad: torch.cuda.Stream | None = None
         self._events: list[torch.cuda.Event] = []
         self._streams: list[torch.cuda.Stream] = []
         self._current = 0
@@ -46,6 +57,8 @@ class StreamRuntime:
             self._side = [torch.cuda.Stream(device) for _ in range(self.num_streams - 1)]
             self._events = [torch.cuda.Event() for _ in range(self.num_events)]
             self._join_events = [torch.cuda.Event() for _ in range(self.num_streams)]
+            # Priority 0, the lowest: its kernels are never on the critical path, so they yield SMs.
+            self._weight_grad = torch.cuda.Stream(device, priority=0) if self.has_weight_grad_stream else None
         self._device = device
 
     def fork(self, *inputs: Any) -> None:
@@ -106,6 +119,23 @@ class StreamRuntime:
         if self.active and self._streams:
             torch.cuda.set_stream(self._streams[0])
             self._current = 0
+
+    @contextlib.contextmanager
+    def on_weight_grad_stream(self) -> Iterator[None]:
+        """Make the weight-gradient stream current for the block (no-op on CPU or without one).
+
+        Only autograd nodes are recorded in the block, no kernel: a node runs
+        its backward on the stream that was current when it was recorded.
+        """
+        stream = self._weight_grad if self.active else None
+        if stream is None:
+            yield
+            return
+        torch.cuda.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(self._streams[self._current])
 
     def protect(self, value: Any, streams: tuple[int, ...]) -> None:
         """Protect the tensors in ``value`` from reuse until the given streams' queued work is done."""

@@ -54,11 +54,11 @@ class ConcurModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
-                 cost_model: CostModel | None, leaf_modules: LeafSpec):
+                 cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = True):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
-                                 else tuple(leaf_modules)))
+                                 else tuple(leaf_modules), split_weight_grads=split_weight_grads))
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
@@ -217,7 +217,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 
 def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
-             leaf_modules: LeafSpec = (), fallback: str = "error") -> nn.Module:
+             leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = True) -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -230,6 +230,12 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     Never slower by prediction: a plan whose contention-aware predicted
     speedup (:func:`predicted_speedup`) is below 1.0 is replaced by one
     stream, and one info line on the ``concur`` logger says so.
+
+    ``split_weight_grads=True`` (the default) runs the weight (and bias)
+    gradients of plain ``nn.Conv2d`` and ``nn.Linear`` layers on one more,
+    low-priority stream in backward, off the critical path, through autograd
+    itself (:mod:`concur.fx.weight_grads`); a plan's ``weight_grad_splits``
+    counts them. One-stream plans never split.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -237,7 +243,7 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     if scheduler not in schedulers.SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
     try:
-        return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules)
+        return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads)
     except CaptureError as exc:
         if fallback == "eager":
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",

@@ -1,4 +1,5 @@
-"""Build a concurrent plan: trace → annotate → DAG → costs → schedule → generated code, all checked."""
+"""Build a concurrent plan: trace → annotate → DAG → costs → schedule → generated code (weight gradients
+split off), all checked."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInpu
 from concur.fx.capture import LeafSpec, trace
 from concur.fx.codegen import event_count, generate
 from concur.fx.verify import verify_generated
+from concur.fx.weight_grads import split_weight_gradients
 from concur.streams import StreamRuntime
 
 _plan_ids = itertools.count()
@@ -35,6 +37,7 @@ class Plan:
     runtime: StreamRuntime
     runtime_attr: str
     traced: fx.GraphModule
+    weight_grad_splits: int = 0  # layers whose weight gradient runs on the weight-gradient stream
 
     @property
     def forward(self) -> Callable:
@@ -162,8 +165,13 @@ def hoistable(dag: nx.DiGraph) -> frozenset[str]:
 
 
 def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, scheduler: str,
-               cost_model: CostModel | None = None, leaf_modules: LeafSpec = ()) -> Plan:
+               cost_model: CostModel | None = None, leaf_modules: LeafSpec = (),
+               split_weight_grads: bool = True) -> Plan:
     """Return a verified plan running ``model`` on up to ``streams`` streams.
+
+    With ``split_weight_grads`` and more than one stream, the weight gradients
+    of plain Conv2d/Linear layers run on one more stream in backward
+    (:mod:`concur.fx.weight_grads`); a one-stream plan stays exactly serial.
 
     Raises:
         CaptureError: the model cannot be traced, or its trace fails where the model runs.
@@ -177,11 +185,13 @@ def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, sche
     problems = schedulers.validate(scheduled, schedule)
     runtime_attr = f"_concur_runtime_{next(_plan_ids)}"
     graph = generate(traced.graph, schedule, runtime_attr, prologue)
+    splits = split_weight_gradients(graph, model, runtime_attr) \
+        if split_weight_grads and schedule.num_streams > 1 else 0
     problems += verify_generated(graph, dag, schedule.num_streams)
     if problems:
         raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
                         f"({scheduler}, {streams} streams); please report this bug: {problems[:5]}")
-    runtime = StreamRuntime(schedule.num_streams, event_count(schedule))
+    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0)
     setattr(traced, runtime_attr, runtime)
     generated = fx.GraphModule(traced, graph, f"Concur{type(model).__name__}")
-    return Plan(schedule, dag, generated, runtime, runtime_attr, traced)
+    return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits)

@@ -232,13 +232,15 @@ class TrainStep:
                  amp_dtype: torch.dtype | None = None,
                  grad_scaler: "torch.amp.GradScaler | None" = None,
                  compile_options: dict[str, Any] | None = None,
-                 accumulate: int = 1, before_step: BeforeStep | None = None, stream_priority: bool = True):
+                 accumulate: int = 1, before_step: BeforeStep | None = None, stream_priority: bool = True,
+                 split_weight_grads: bool | None = None):
         self._arguments = (model, loss_fn, optimizer, example_batch, streams, cuda_graph, scheduler, max_graphs,
                            warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
-                           stream_priority)
+                           stream_priority, split_weight_grads)
         self.stream_priority = stream_priority
         inputs, _ = example_batch
         self.compile_options = dict(compile_options or {})
+        self.split_weight_grads = _split_option(split_weight_grads, self.compile_options, compile)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.requested_streams = streams
@@ -320,7 +322,8 @@ class TrainStep:
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
                 self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
-                                                     scheduler=self.scheduler)
+                                                     scheduler=self.scheduler,
+                                                     split_weight_grads=self.split_weight_grads)
         return self.modules[streams]
 
     def _warn_once(self, message: str) -> None:
@@ -578,7 +581,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
                grad_scaler: "torch.amp.GradScaler | None" = None, scheduler: str = "critical_path",
                max_graphs: int = 4, warmup: int = 3, compile_options: dict[str, Any] | None = None,
                accumulate: int = 1, before_step: BeforeStep | None = None,
-               stream_priority: bool = True) -> TrainStep:
+               stream_priority: bool = True, split_weight_grads: bool | None = None) -> TrainStep:
     """Return ``step(inputs, targets) -> loss`` that trains ``model`` one step per call.
 
     ``example_batch`` is ``(inputs, targets)``; inputs are a tensor or a tuple
@@ -623,6 +626,13 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     more keyword arguments of :func:`concur.backend` (e.g.
     ``buffer_reuse``).
 
+    ``split_weight_grads`` (default True; plans of more than one stream) runs
+    the weight gradients of convolutions and linear layers off backward's
+    critical path, on one more low-priority stream: through autograd on the
+    unfused path (:mod:`concur.fx.weight_grads`), by splitting each backward
+    ``convolution_backward`` on the fused one (the backend option of that
+    name, which ``compile_options`` may set instead; both must then agree).
+
     ``streams="auto"`` on CUDA measures stream counts and schedulers with the
     tuner (:mod:`concur.observe.tuner`, cached on disk, at most ~20 s) for the
     unfused path; with ``compile=True``, where each trial would recompile, and
@@ -658,7 +668,23 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
         raise ValueError("compile_options are options of the torch.compile backend: pass compile=True too")
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
                      max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
-                     stream_priority)
+                     stream_priority, split_weight_grads)
+
+
+def _split_option(split_weight_grads: bool | None, compile_options: dict[str, Any], compile: bool) -> bool:
+    """Return whether weight gradients are split: the argument, else ``compile_options``' value, else True.
+
+    On the fused path the argument goes into ``compile_options``, as the backend's option of that name.
+    """
+    given = compile_options.get("split_weight_grads")
+    if split_weight_grads is not None and given is not None and bool(given) != split_weight_grads:
+        raise ValueError(f"concur.train_step: split_weight_grads={split_weight_grads} contradicts "
+                         f"compile_options['split_weight_grads']={given}; compile_options are options of the "
+                         "torch.compile backend, and this one is an argument of train_step too: pass it once")
+    value = split_weight_grads if split_weight_grads is not None else (True if given is None else bool(given))
+    if compile and given is None and split_weight_grads is not None:
+        compile_options["split_weight_grads"] = value
+    return value
 
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
