@@ -2,6 +2,7 @@
 
 - float64 gradients of an optimized branchy net equal the original model's, and the weights' gradients are
   accumulated on the plan's weight-gradient stream;
+- under bf16 autocast the gradients equal the unsplit plan's, finite and in the parameters' dtype;
 - the stream that called ``backward`` waits for that stream (a sleeping weight-gradient node, then the
   gradients read at once on the caller's stream);
 - no race under PyTorch's CUDA sanitizer, which does report one planted on purpose;
@@ -86,6 +87,23 @@ def test_the_caller_waits_for_the_weight_gradient_stream(monkeypatch):
     weighted_sum(reference(x)).backward()
     for (name, _), g, q in zip(model.named_parameters(), got, reference.parameters()):
         assert_close_rel(g, q.grad, 1e-10, name)
+
+
+def test_bf16_autocast_gradients_equal_the_unsplit_plan_and_keep_the_parameters_dtype():
+    """Under autocast the weight gradient runs on a cast input and a stand-in weight (its values never read)."""
+    torch.manual_seed(0)
+    models = [WideNet(branches=6).cuda().train() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    split, unsplit = (concur.optimize(m, (x,), streams=4, split_weight_grads=s) for m, s in zip(models, (True, False)))
+    assert split.plan.weight_grad_splits == SPLITS and unsplit.schedule == split.schedule
+    for module in (split, unsplit):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module(x)
+        weighted_sum(out.float()).backward()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
+        assert_close_rel(p.grad, q.grad, 1e-2, name)
 
 
 def _sanitized(*flags):
