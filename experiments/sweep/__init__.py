@@ -13,6 +13,7 @@ Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
     eager_streams:K     concur's plan on K streams without a graph (train_step, cuda_graph=False)
     serial_graph        whole-step CUDA graph, one stream (train_step streams=1)
     concur_graph:K      whole-step CUDA graph with K streams; concur_graph:auto uses streams="auto"
+    concur_graph_nosplit:K  concur_graph with split_weight_grads=False (weight gradients in the layers' nodes)
     compile             torch.compile(model) in the plain loop
     compile_graph       torch.compile + whole-step CUDA graph (train_step streams=1, compile=True)
     reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with

@@ -13,8 +13,9 @@ ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "conc
              "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
 FUSED_MODES = ("fused", "fused_fresh", "fused_reuse", "fused_ordered", "fused_nosplit", "fused_prio", "fused_noprio",
                "fused_gate105")
-CUDA_MODES = ("serial_graph", "concur_graph", "compile_graph", "reduce_overhead", *FUSED_MODES, "critical_path")
-CONCUR_MODES = ("eager_streams", "concur_graph", *FUSED_MODES)  # the rest: what a user has
+CUDA_MODES = ("serial_graph", "concur_graph", "concur_graph_nosplit", "compile_graph", "reduce_overhead", *FUSED_MODES,
+              "critical_path")
+CONCUR_MODES = ("eager_streams", "concur_graph", "concur_graph_nosplit", *FUSED_MODES)  # the rest: a user has
 COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES)  # a child each
 # the backend's options per fused mode (None: concur.backend's defaults); fused_noprio differs in train_step
 FUSED_OPTIONS = {"fused": None, "fused_fresh": {"buffer_reuse": False}, "fused_reuse": {"buffer_reuse": True},

@@ -132,7 +132,8 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
                                  compile=kind == "compile_graph" or kind in FUSED_MODES, amp_dtype=amp_dtype,
-                                 compile_options=FUSED_OPTIONS.get(kind), stream_priority=kind != "fused_noprio")
+                                 compile_options=FUSED_OPTIONS.get(kind), stream_priority=kind != "fused_noprio",
+                                 split_weight_grads=False if kind == "concur_graph_nosplit" else None)
         return (lambda: step(x, y)), step
 
     # concur's warnings (e.g. "capturing with 4 streams failed, 1 stream") go into the row
