@@ -34,7 +34,7 @@ case $part in
            --together compile_graph+fused:4 --compile-jobs 3
      sweep --models timm:inception_v4 --batches 64 --modes compile_graph fused:4 --together compile_graph+fused:4 \
            --compile-jobs 2 ;;
-  e) sweep --models googlenet inception_v3 torchvision:vit_b_16 --batches 8 --modes compile_graph fused:4 fused_ordered:4 \
+  e) sweep --models googlenet inception_v3 --batches 8 --modes compile_graph fused:4 fused_ordered:4 \
            --together compile_graph+fused:4+fused_ordered:4 --compile-jobs 3
      sweep --models torchvision:vit_b_16 resnet50 --batches 32 --modes compile_graph fused:4 fused_ordered:4 \
            --together compile_graph+fused:4+fused_ordered:4 --compile-jobs 3
