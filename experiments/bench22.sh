@@ -30,8 +30,10 @@ case $part in
            --together compile_graph+fused:4+fused_gate105:4 --compile-jobs 3
      sweep --models googlenet inception_v3 resnet50 --batches 8 --precisions fp32 --modes compile_graph fused:4 \
            --together compile_graph+fused:4 --compile-jobs 2 ;;
-  d) sweep --models resnet50 googlenet inception_v3 --batches 8 64 --precisions fp32 --modes compile_graph fused:4 \
-           --together compile_graph+fused:4 --compile-jobs 3
+  d) sweep --models resnet50 --batches 8 64 --precisions fp32 --modes compile_graph fused:4 \
+           --together compile_graph+fused:4 --compile-jobs 2
+     sweep --models googlenet inception_v3 --batches 64 --precisions fp32 --modes compile_graph fused:4 \
+           --together compile_graph+fused:4 --compile-jobs 2
      sweep --models timm:inception_v4 --batches 64 --modes compile_graph fused:4 --together compile_graph+fused:4 \
            --compile-jobs 2 ;;
   e) sweep --models googlenet inception_v3 --batches 8 --modes compile_graph fused:4 fused_ordered:4 \

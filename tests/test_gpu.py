@@ -126,7 +126,8 @@ def test_sleeping_branch_shows_the_waits_are_real(planted, monkeypatch):
             got = cm(x)
             expected = model(x)
         mismatches += not torch.allclose(got, expected)
-    assert mismatches == (3 if planted else 0)
+    # a removed wait is a race: whether an iteration loses it depends on what else the GPU is running
+    assert mismatches >= 1 if planted else mismatches == 0
 
 
 def _train(model, opt, batches, step=None):
