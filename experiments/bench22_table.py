@@ -75,6 +75,30 @@ def markdown(entries: list[dict]) -> list[str]:
     return lines
 
 
+def unfused(rows: list[dict]) -> list[str]:
+    """The unfused path per (part, model, batch, precision): split and unsplit against the serial graph, and the bound.
+
+    Achieved is the serial graph's step time over the concur graph's (the whole step); the bound is the
+    forward pass's serial kernel time over its critical path (``critical_path`` rows).
+    """
+    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if r.get("status") == "ok":
+            groups[(r["part"], r["model"], r["batch"], r["precision"])][r["mode"]] = r
+    lines = ["| model | batch | precision | part | serial graph, ms | concur graph (split) | no split | split gain "
+             "| bound | achieved/bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (part, model, batch, precision), modes in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        serial, split, nosplit = (modes.get(m) for m in ("serial_graph", "concur_graph:4", "concur_graph_nosplit:4"))
+        bound = modes.get("critical_path", {}).get("bound_speedup")
+        if not (serial and split and nosplit and bound):
+            continue
+        achieved = serial["ms"] / split["ms"]
+        lines.append(f"| {model} | {batch} | {precision} | {part} | {serial['ms']:.2f} | {achieved:.3f}x | "
+                     f"{serial['ms'] / nosplit['ms']:.3f}x | {nosplit['ms'] / split['ms']:.3f}x | {bound:.2f}x | "
+                     f"{achieved / bound:.2f} |")
+    return lines if len(lines) > 2 else []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="holds results.jsonl (and repeat_results.jsonl, if any)")
@@ -83,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         path = args.run_dir / name
         if path.exists():
             print(f"\n{name}\n")
-            print("\n".join(markdown(ratios(read_rows(path)))))
+            rows = read_rows(path)
+            print("\n".join(markdown(ratios(rows))))
+            table = unfused(rows)
+            if table:
+                print(f"\n{name}, the unfused path\n")
+                print("\n".join(table))
     return 0
 
 
