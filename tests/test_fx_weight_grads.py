@@ -81,6 +81,7 @@ def optimized_pair(make, x, **kw):
     torch.manual_seed(0)
     model = make()
     reference = copy.deepcopy(model)
+    kw.setdefault("split_weight_grads", True)
     return concur.optimize(model, (x,), streams=4, **kw), model, reference
 
 
@@ -118,8 +119,8 @@ def test_linear_and_conv_models_gradients_equal_the_original_in_float64(make, sh
 
 def test_generated_graph_holds_one_split_node_per_layer_and_none_when_off_or_serial():
     x = torch.randn(2, 3, 8, 8)
-    on = concur.optimize(WideNet(branches=6), (x,), streams=4)
-    off = concur.optimize(WideNet(branches=6), (x,), streams=4, split_weight_grads=False)
+    on = concur.optimize(WideNet(branches=6), (x,), streams=4, split_weight_grads=True)
+    off = concur.optimize(WideNet(branches=6), (x,), streams=4)  # the default: eager calls pay no host time
     serial = concur.optimize(WideNet(branches=6), (x,), streams=1)
     assert split_nodes(on) == on.plan.weight_grad_splits == 14 and on.plan.runtime.has_weight_grad_stream
     assert split_nodes(off) == off.plan.weight_grad_splits == 0 and not off.plan.runtime.has_weight_grad_stream
@@ -352,7 +353,7 @@ def test_train_step_with_the_split_trains_like_the_plain_loop():
     batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))) for _ in range(4)]
     make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     step = concur.train_step(model, loss_fn, make_opt(model.parameters()), batches[0], streams=4,
-                             cuda_graph=False)
+                             cuda_graph=False, split_weight_grads=True)
     assert step.module.plan.weight_grad_splits == 14
     losses = [step(x, y).item() for x, y in batches]
     expected = plain_loop(ref, loss_fn, make_opt(ref.parameters()), batches)
@@ -362,6 +363,21 @@ def test_train_step_with_the_split_trains_like_the_plain_loop():
     off = concur.train_step(WideNet(branches=6), loss_fn, torch.optim.SGD(model.parameters(), lr=0.1),
                             batches[0], streams=4, cuda_graph=False, split_weight_grads=False)
     assert off.module.plan.weight_grad_splits == 0
+
+
+def test_train_step_splits_by_default_where_the_step_is_captured_or_compiled():
+    """Captured or compiled steps pay no host time for the split; an eager unfused step would, each step."""
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+
+    def make(**kw):
+        model = WideNet(branches=6)
+        return concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                                 batch, streams=4, **kw)
+
+    assert make(cuda_graph=True).split_weight_grads is True
+    assert make(cuda_graph=False).split_weight_grads is False
+    assert make(cuda_graph=False).module.plan.weight_grad_splits == 0
+    assert make(cuda_graph=False, compile=True).split_weight_grads is True
 
 
 def test_train_step_passes_the_option_to_the_fused_path_and_rejects_a_contradiction():

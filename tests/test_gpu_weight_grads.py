@@ -44,7 +44,7 @@ def _pair():
     model = WideNet(branches=6).cuda().double().train()
     reference = copy.deepcopy(model)
     x = torch.randn(8, 3, 16, 16, device="cuda", dtype=torch.float64)
-    optimized = concur.optimize(model, (x,), streams=4)
+    optimized = concur.optimize(model, (x,), streams=4, split_weight_grads=True)
     assert optimized.schedule.num_streams > 1 and optimized.plan.weight_grad_splits == SPLITS
     return optimized, model, reference
 
@@ -170,7 +170,8 @@ def _sanitized_run(plant: bool) -> None:
         x = torch.randn(4, 3, 64, 64, device="cuda")
         y = torch.randint(0, 1000, (4,), device="cuda")
         step = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01,
-                                 momentum=0.9), (x, y), streams=4, cuda_graph=False)
+                                 momentum=0.9), (x, y), streams=4, cuda_graph=False,
+                                 split_weight_grads=True)
         splits = step.module.plan.weight_grad_splits
         assert splits > 0, "the plan must split weight gradients"
         for _ in range(2):

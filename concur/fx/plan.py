@@ -166,7 +166,7 @@ def hoistable(dag: nx.DiGraph) -> frozenset[str]:
 
 def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                cost_model: CostModel | None = None, leaf_modules: LeafSpec = (),
-               split_weight_grads: bool = True) -> Plan:
+               split_weight_grads: bool = False) -> Plan:
     """Return a verified plan running ``model`` on up to ``streams`` streams.
 
     With ``split_weight_grads`` and more than one stream, the weight gradients

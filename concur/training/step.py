@@ -240,7 +240,7 @@ class TrainStep:
         self.stream_priority = stream_priority
         inputs, _ = example_batch
         self.compile_options = dict(compile_options or {})
-        self.split_weight_grads = _split_option(split_weight_grads, self.compile_options, compile)
+        self.split_weight_grads = _split_option(split_weight_grads, self.compile_options, compile, cuda_graph)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.requested_streams = streams
@@ -626,12 +626,16 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     more keyword arguments of :func:`concur.backend` (e.g.
     ``buffer_reuse``).
 
-    ``split_weight_grads`` (default True; plans of more than one stream) runs
-    the weight gradients of convolutions and linear layers off backward's
-    critical path, on one more low-priority stream: through autograd on the
-    unfused path (:mod:`concur.fx.weight_grads`), by splitting each backward
+    ``split_weight_grads`` (plans of more than one stream) runs the weight
+    gradients of convolutions and linear layers off backward's critical
+    path, on one more low-priority stream: through autograd on the unfused
+    path (:mod:`concur.fx.weight_grads`), by splitting each backward
     ``convolution_backward`` on the fused one (the backend option of that
     name, which ``compile_options`` may set instead; both must then agree).
+    None (the default) splits on the fused path and on a captured unfused
+    step; an unfused step run eagerly (``cuda_graph=False``) keeps its
+    layers whole, since there the split's extra autograd nodes cost host
+    time every step.
 
     ``streams="auto"`` on CUDA measures stream counts and schedulers with the
     tuner (:mod:`concur.observe.tuner`, cached on disk, at most ~20 s) for the
@@ -671,8 +675,11 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
                      stream_priority, split_weight_grads)
 
 
-def _split_option(split_weight_grads: bool | None, compile_options: dict[str, Any], compile: bool) -> bool:
-    """Return whether weight gradients are split: the argument, else ``compile_options``' value, else True.
+def _split_option(split_weight_grads: bool | None, compile_options: dict[str, Any], compile: bool,
+                  cuda_graph: bool) -> bool:
+    """Return whether weight gradients are split: the argument, else ``compile_options``' value, else the default.
+
+    The default is True except for an unfused step run eagerly, which would pay the split's host time each step.
 
     On the fused path the argument goes into ``compile_options``, as the backend's option of that name.
     """
@@ -681,7 +688,8 @@ def _split_option(split_weight_grads: bool | None, compile_options: dict[str, An
         raise ValueError(f"concur.train_step: split_weight_grads={split_weight_grads} contradicts "
                          f"compile_options['split_weight_grads']={given}; compile_options are options of the "
                          "torch.compile backend, and this one is an argument of train_step too: pass it once")
-    value = split_weight_grads if split_weight_grads is not None else (True if given is None else bool(given))
+    default = compile or cuda_graph
+    value = split_weight_grads if split_weight_grads is not None else (default if given is None else bool(given))
     if compile and given is None and split_weight_grads is not None:
         compile_options["split_weight_grads"] = value
     return value
