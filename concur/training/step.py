@@ -638,10 +638,13 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     time every step.
 
     ``streams="auto"`` on CUDA measures stream counts and schedulers with the
-    tuner (:mod:`concur.observe.tuner`, cached on disk, at most ~20 s) for the
-    unfused path; with ``compile=True``, where each trial would recompile, and
-    without CUDA, it takes the fewest streams predicted to reach 97% of the
-    best predicted speedup.
+    tuner (:mod:`concur.observe.tuner`, cached on disk, at most ~20 s) and
+    never keeps a configuration not measured faster than the serial graph.
+    With ``compile=True`` every trial compiles, so it climbs 1, 2, ... up to
+    4 streams with the given scheduler and stops at the first that is not
+    faster (minutes for a large model, once: the result is cached). Without
+    CUDA it takes the fewest streams predicted to reach 97% of the best
+    predicted speedup.
 
     ``amp_dtype=torch.bfloat16`` runs forward and loss under autocast (the
     same as ``with torch.autocast(...)`` around them in a plain loop).
@@ -665,7 +668,8 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
         raise TypeError(f"before_step must be callable as before_step(model, optimizer), got {before_step!r}")
     if streams == "auto":
         streams, scheduler, cuda_graph = _auto_configuration(
-            model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype)
+            model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype,
+            compile_options)
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
     if compile_options and not compile:
@@ -697,18 +701,27 @@ def _split_option(split_weight_grads: bool | None, compile_options: dict[str, An
 
 def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
                         example_batch: tuple, scheduler: str, cuda_graph: bool, compile: bool,
-                        amp_dtype: torch.dtype | None = None) -> tuple[int, str, bool]:
-    """Return (streams, scheduler, cuda_graph) for ``streams="auto"``: measured where affordable.
+                        amp_dtype: torch.dtype | None = None,
+                        compile_options: dict[str, Any] | None = None) -> tuple[int, str, bool]:
+    """Return (streams, scheduler, cuda_graph) for ``streams="auto"``: measured on a GPU, predicted elsewhere.
 
     The trials run in the step's precision (bf16 kernels are shorter and leave
     more room for streams); a GradScaler is left out of them: it changes no
     kernel that matters for timing, and trials must not move the user's scale.
+    With ``compile`` every trial compiles, so the climb tries the given
+    scheduler only, up to :data:`_COMPILED_MAX_STREAMS` streams, and stops at
+    the first stream count that is not measurably faster than the best so far.
     """
     on_cuda = any(t.is_cuda for t in tensors_in(example_batch[0])) and torch.cuda.is_available()
-    if on_cuda and not compile:
+    if on_cuda:
         from concur.observe.tuner import tune_train_step
 
-        kwargs = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
+        kwargs: dict[str, Any] = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
+        if compile:
+            kwargs.update(compile=True, schedulers=(scheduler,), max_streams=_COMPILED_MAX_STREAMS,
+                          budget_s=_COMPILED_TUNE_BUDGET_S, probe_utilization=False)
+            if compile_options:
+                kwargs["compile_options"] = dict(compile_options)
         chosen = tune_train_step(model, loss_fn, optimizer, example_batch, make_step=train_step, **kwargs).config
         if chosen.streams == 1:
             log.info("concur.train_step: streams='auto' keeps one stream for %s: no configuration with more "
@@ -719,6 +732,11 @@ def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.op
         log.info("concur.train_step: streams='auto' keeps one stream for %s: no plan with more streams is "
                  "predicted faster (kernels sharing the device)", type(model).__name__)
     return streams, scheduler, cuda_graph
+
+
+# streams="auto" with compile=True: each trial compiles (inductor's cache serves the repeated graphs)
+_COMPILED_MAX_STREAMS = 4
+_COMPILED_TUNE_BUDGET_S = 600.0
 
 
 def _predicted_stream_count(model: nn.Module, inputs: tuple, scheduler: str) -> int:
