@@ -49,6 +49,22 @@ def weighted_sum(out: object) -> torch.Tensor:
     return sum((t * torch.linspace(0.5, 1.5, t.numel()).view_as(t)).sum() for t in flat_tensors(out))
 
 
+def spy_buffer_reuse_setting(monkeypatch) -> list:
+    """Record inductor's ``allow_buffer_reuse`` at each graph the backend compiles; return the record."""
+    import torch._inductor.config as inductor_config
+
+    from concur import _torch_compat as compat
+
+    seen, compile_graph = [], compat.inductor_compile_graph
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.allow_buffer_reuse)
+        return compile_graph(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "inductor_compile_graph", spy)
+    return seen
+
+
 def compare_compiled(model: nn.Module, make_input, backend, *, steps: int = 2, rtol: float = 1e-5,
                      grad_rtol: float = 1e-4) -> None:
     """Check ``torch.compile(model, backend=backend)`` against a deep copy: outputs, grads, buffers."""

@@ -291,18 +291,11 @@ def test_buffer_reuse_reaches_inductor_and_either_way_trains_like_eager(reuse, m
     """
     import torch._inductor.config as inductor_config
 
-    from concur import _torch_compat as compat
-    from tests.test_backend import NO_MERGE, compare_compiled, small_wide
+    from tests.test_backend import NO_MERGE, compare_compiled, small_wide, spy_buffer_reuse_setting
 
     import concur
 
-    seen, compile_graph = [], compat.inductor_compile_graph
-
-    def spy(*args, **kwargs):
-        seen.append(inductor_config.allow_buffer_reuse)
-        return compile_graph(*args, **kwargs)
-
-    monkeypatch.setattr(compat, "inductor_compile_graph", spy)
+    seen = spy_buffer_reuse_setting(monkeypatch)
     torch._dynamo.reset()
     try:
         backend = concur.backend(streams=4, roofline=NO_MERGE, buffer_reuse=reuse)

@@ -402,16 +402,9 @@ def test_ordered_reuse_trains_like_eager_and_reports_its_reuses(monkeypatch):
     import torch._inductor.config as inductor_config
 
     import concur
-    from concur import _torch_compat as compat
-    from tests.test_backend import NO_MERGE, compare_compiled, forward_and_backward
+    from tests.test_backend import NO_MERGE, compare_compiled, forward_and_backward, spy_buffer_reuse_setting
 
-    seen, compile_graph = [], compat.inductor_compile_graph
-
-    def spy(*args, **kwargs):
-        seen.append(inductor_config.allow_buffer_reuse)
-        return compile_graph(*args, **kwargs)
-
-    monkeypatch.setattr(compat, "inductor_compile_graph", spy)
+    seen = spy_buffer_reuse_setting(monkeypatch)
     torch._dynamo.reset()
     try:
         with inductor_config.patch(allow_buffer_reuse=False):  # "ordered" compiles with reuse whatever is set
