@@ -45,6 +45,18 @@ SWEEP_DIR=${SWEEP_DIR:-2026-11-22-h100-torch2.11/sweep}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee -a "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
 pytest_cuda() { python3 -m pytest -m cuda -q -s --no-header -p no:cacheprovider "$@"; }
+# Steps that run commands side by side: begin_parallel NAME, then "t LOG COMMAND..." per process (two compile
+# workers each, logging to $d/LOG.log with its exit status last), then end_parallel NAME PATTERN LINES WIDTH:
+# one line per log in $OUT/NAME.txt (exit status, log, its last LINES lines matching PATTERN), logs packed.
+begin_parallel() { d=/tmp/$1_logs; rm -rf "$d"; mkdir -p "$d"; left=$(( ${DEADLINE:-585} - SECONDS - 25 )); }
+t() { local name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} \
+        timeout -k 5 $left "$@" > "$d/$name.log" 2>&1; echo "rc=$?" >> "$d/$name.log") & }
+end_parallel() {
+  local name=$1 pattern=$2 lines=$3 width=$4 log; wait
+  for log in "$d"/*.log; do
+    echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h "$pattern" "$log" | tail -$lines | tr '\n' ' ' | cut -c1-$width)"
+  done | sort | tee "$OUT/$name.txt"
+  tar czf "$OUT/${name}_logs.tgz" -C "$d" . ; }
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
@@ -70,9 +82,7 @@ for step in "$@"; do
                elif grep -q " skipped" "$log"; then r=SKIP; else r=TIMEOUT; fi
                echo "$r $(basename "$log" .log) $(grep -h "first update error\|sanitized run finished" "$log" | tail -1)"
              done | sort | tee "$OUT/fused_all.txt" ;;
-    final) d=/tmp/final_logs; rm -rf $d; mkdir -p $d; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
-             t() { name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 timeout -k 5 $left "$@" > "$d/$name.log" 2>&1;
-                                    echo "rc=$?" >> "$d/$name.log") & }
+    final) begin_parallel final
              t habits_branchy python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py -k branchy
              t habits_googlenet python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py -k googlenet
              t gpu_train_step python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k train_step
@@ -84,14 +94,8 @@ for step in "$@"; do
              done
              t example bash -c "python3 examples/train.py --epochs 3 --stop-after 2 --checkpoint /tmp/ckpt.pt &&
                                 python3 examples/train.py --epochs 3 --checkpoint /tmp/ckpt.pt --resume /tmp/ckpt.pt"
-             wait
-             for log in $d/*.log; do
-               echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|error\|sanitized run finished\|epoch" "$log" | tail -3 | tr '\n' ' ' | cut -c1-400)"
-             done | sort | tee "$OUT/final.txt"
-             tar czf "$OUT/final_logs.tgz" -C $d . ;;
-    check22) d=/tmp/check22_logs; rm -rf $d; mkdir -p $d; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
-             t() { name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} \
-                                    timeout -k 5 $left "$@" > "$d/$name.log" 2>&1; echo "rc=$?" >> "$d/$name.log") & }
+             end_parallel final " passed\| failed\|error\|sanitized run finished\|epoch" 3 400 ;;
+    check22) begin_parallel check22
              t habits_branchy_priority python3 -m pytest -m cuda -q -s -p no:cacheprovider \
                tests/test_gpu_train_habits.py -k "branchy or priority"
              for m in googlenet inception_v3 resnet50 dla34 hrnet_w18_small; do
@@ -102,14 +106,8 @@ for step in "$@"; do
                t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
                  "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-no_reuse]"
              done
-             wait
-             for log in $d/*.log; do
-               echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" "$log" | tail -4 | tr '\n' ' ' | cut -c1-500)"
-             done | sort | tee "$OUT/check22.txt"
-             tar czf "$OUT/check22_logs.tgz" -C $d . ;;
-    recheck) d=/tmp/recheck_logs; rm -rf $d; mkdir -p $d; left=$(( ${DEADLINE:-585} - SECONDS - 25 ))
-             t() { name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} \
-                                    timeout -k 5 $left "$@" > "$d/$name.log" 2>&1; echo "rc=$?" >> "$d/$name.log") & }
+             end_parallel check22 " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
+    recheck) begin_parallel recheck
              for m in googlenet inception_v3 resnet50 hrnet_w18_small; do
                t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
                  "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-ordered_reuse]"
@@ -122,11 +120,7 @@ for step in "$@"; do
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
              t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
              t ddp python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_ddp.py
-             wait
-             for log in $d/*.log; do
-               echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" "$log" | tail -4 | tr '\n' ' ' | cut -c1-500)"
-             done | sort | tee "$OUT/recheck.txt"
-             tar czf "$OUT/recheck_logs.tgz" -C $d . ;;
+             end_parallel recheck " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
     probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
              grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
                "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20
