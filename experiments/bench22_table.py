@@ -37,12 +37,19 @@ def target(model: str, batch: int) -> float:
     return next((t for (m, batches), t in TARGETS.items() if m == model and batch in batches), FLOOR)
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """One entry per (part, model, batch, precision): each variant's speedup, memory and setup ratios."""
+def by_configuration(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """The rows that ran, as {(part, model, batch, precision): {mode: row}}: what may be divided by what."""
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        if r.get("status") == "ok" and r.get("ms"):
+        if r.get("status") == "ok":
             groups[(r["part"], r["model"], r["batch"], r["precision"])][r["mode"]] = r
+    return groups
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """One entry per (part, model, batch, precision): each variant's speedup, memory and setup ratios."""
+    groups = {key: {mode: r for mode, r in modes.items() if r.get("ms")}
+              for key, modes in by_configuration(rows).items()}
     out = []
     for (part, model, batch, precision), modes in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         base = modes.get(BASE)
@@ -81,10 +88,7 @@ def unfused(rows: list[dict]) -> list[str]:
     Achieved is the serial graph's step time over the concur graph's (the whole step); the bound is the
     forward pass's serial kernel time over its critical path (``critical_path`` rows).
     """
-    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in rows:
-        if r.get("status") == "ok":
-            groups[(r["part"], r["model"], r["batch"], r["precision"])][r["mode"]] = r
+    groups = by_configuration(rows)
     lines = ["| model | batch | precision | part | serial graph, ms | concur graph (split) | no split | split gain "
              "| bound | achieved/bound |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (part, model, batch, precision), modes in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2])):
