@@ -136,8 +136,8 @@ def test_train_step_rejects_a_grad_scaler_of_the_wrong_type():
                           batch, cuda_graph=False, grad_scaler=object())
 
 
-def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
-    """streams="auto" on a GPU measures trials under the step's autocast dtype (wiring, faked CUDA)."""
+def auto_configuration_with_faked_tuner(monkeypatch, chosen: dict, *args):
+    """Run streams="auto"'s choice on faked CUDA, the tuner faked to choose ``chosen``; return (choice, its kwargs)."""
     import types
 
     import concur.training.step as train_mod
@@ -147,39 +147,31 @@ def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
 
     def fake_tune(model, loss_fn, opt, batch, **kwargs):
         seen.update(kwargs)
-        return types.SimpleNamespace(config=types.SimpleNamespace(streams=3, scheduler="fork", cuda_graph=False))
+        return types.SimpleNamespace(config=types.SimpleNamespace(**chosen))
 
     monkeypatch.setattr(tuner_mod, "tune_train_step", fake_tune)
     monkeypatch.setattr(train_mod, "tensors_in", lambda x: [types.SimpleNamespace(is_cuda=True)])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = WideNet(branches=2)
     got = train_mod._auto_configuration(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                                        (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)),
-                                        "critical_path", True, False, torch.bfloat16)
+                                        (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)), *args)
+    return got, seen
+
+
+def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
+    """streams="auto" on a GPU measures trials under the step's autocast dtype (wiring, faked CUDA)."""
+    got, seen = auto_configuration_with_faked_tuner(monkeypatch, dict(streams=3, scheduler="fork", cuda_graph=False),
+                                                    "critical_path", True, False, torch.bfloat16)
     assert got == (3, "fork", False) and seen == {"amp_dtype": torch.bfloat16, "make_step": concur.train_step}
 
 
 def test_auto_streams_with_compile_measures_fused_trials(monkeypatch):
     """streams="auto", compile=True on a GPU: the tuner times compiled trials with the user's backend options."""
-    import types
-
     import concur.training.step as train_mod
-    import concur.observe.tuner as tuner_mod
 
-    seen = {}
-
-    def fake_tune(model, loss_fn, opt, batch, **kwargs):
-        seen.update(kwargs)
-        return types.SimpleNamespace(config=types.SimpleNamespace(streams=1, scheduler="critical_path",
-                                                                  cuda_graph=True))
-
-    monkeypatch.setattr(tuner_mod, "tune_train_step", fake_tune)
-    monkeypatch.setattr(train_mod, "tensors_in", lambda x: [types.SimpleNamespace(is_cuda=True)])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    model = WideNet(branches=2)
-    got = train_mod._auto_configuration(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                                        (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)),
-                                        "critical_path", True, True, None, {"buffer_reuse": "ordered"})
+    got, seen = auto_configuration_with_faked_tuner(
+        monkeypatch, dict(streams=1, scheduler="critical_path", cuda_graph=True),
+        "critical_path", True, True, None, {"buffer_reuse": "ordered"})
     assert got == (1, "critical_path", True)
     assert seen["compile"] is True and seen["schedulers"] == ("critical_path",)
     assert seen["max_streams"] == train_mod._COMPILED_MAX_STREAMS and seen["probe_utilization"] is False
