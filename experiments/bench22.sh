@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22's benchmark on the device, in one call: several sweeps side by side over one run directory,
 # so they compile in parallel and share one GPU lock (each timing alone, pairs timed in turns).
-#   bash experiments/bench22.sh RUN_DIR PART    (PART: a to e; see below). Packs RUN_DIR to $OUT/bench.tgz.
+#   bash experiments/bench22.sh RUN_DIR PART    (PART: a to g; see below). Packs RUN_DIR to $OUT/bench.tgz.
 set -uo pipefail
 dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -42,6 +42,10 @@ case $part in
            --together compile_graph+fused:4+fused_ordered:4 --compile-jobs 3
      sweep --models googlenet inception_v3 resnet50 --batches 8 64 --modes serial_graph concur_graph:4 \
            concur_graph_nosplit:4 critical_path --together serial_graph+concur_graph:4+concur_graph_nosplit:4 ;;
+  g) for m in googlenet inception_v3 resnet50; do
+       sweep --models $m --batches 32 128 --precisions fp32 --modes compile_graph fused:4 \
+             --together compile_graph+fused:4 --compile-jobs 2
+     done ;;
 esac
 wait
 pkill -f "experiments.sweep --(one|group)"
