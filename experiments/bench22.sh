@@ -42,7 +42,7 @@ case $part in
            --together compile_graph+fused:4+fused_ordered:4 --compile-jobs 3
      sweep --models googlenet inception_v3 resnet50 --batches 8 64 --modes serial_graph concur_graph:4 \
            concur_graph_nosplit:4 critical_path --together serial_graph+concur_graph:4+concur_graph_nosplit:4 ;;
-  g) for m in googlenet inception_v3 resnet50; do
+  g) for m in ${MODELS:-googlenet inception_v3 resnet50}; do  # three side by side fill the 80 GB at b128: two at a time
        sweep --models $m --batches 32 128 --precisions fp32 --modes compile_graph fused:4 \
              --together compile_graph+fused:4 --compile-jobs 2
      done ;;
