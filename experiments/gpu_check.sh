@@ -21,6 +21,8 @@
 #                  buffer_reuse="ordered", the unfused path's weight-gradient split (tests/test_gpu_weight_grads.py),
 #                  the train_step habits (default stream priority), tests/test_gpu.py and the DDP test;
 #                  one line each in $OUT/recheck.txt, logs in $OUT/recheck_logs.tgz
+#   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
+#                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
 #                  greps its source and packs torch/_inductor's top-level modules to $OUT/inductor_src.tgz
 #   capture-wrappers  golden wrappers + scheduler oracle (experiments/capture_wrappers.py), 6 in parallel,
@@ -57,6 +59,17 @@ end_parallel() {
     echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h "$pattern" "$log" | tail -$lines | tr '\n' ' ' | cut -c1-$width)"
   done | sort | tee "$OUT/$name.txt"
   tar czf "$OUT/${name}_logs.tgz" -C "$d" . ; }
+# buffer_reuse="ordered": the fused envelope (4 models) and the sanitizer (3 models), one process each
+ordered_reuse_checks() {
+  local m
+  for m in googlenet inception_v3 resnet50 hrnet_w18_small; do
+    t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+      "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-ordered_reuse]"
+  done
+  for m in googlenet inception_v3 resnet50; do
+    t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+      "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-ordered_reuse]"
+  done; }
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
@@ -108,19 +121,15 @@ for step in "$@"; do
              done
              end_parallel check22 " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
     recheck) begin_parallel recheck
-             for m in googlenet inception_v3 resnet50 hrnet_w18_small; do
-               t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
-                 "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-ordered_reuse]"
-             done
-             for m in googlenet inception_v3 resnet50; do
-               t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
-                 "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-ordered_reuse]"
-             done
+             ordered_reuse_checks
              t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
              t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
              t ddp python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_ddp.py
              end_parallel recheck " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
+    ordered) begin_parallel ordered
+             ordered_reuse_checks
+             end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
     probe-streams) src=$(python3 -c "import torch._inductor as i, os; print(os.path.dirname(i.__file__))")
              grep -n "_get_node_stream\|_populate_stream_assignments\|record_event\|wait_event\|current_stream_idx" \
                "$src"/*.py "$src"/codegen/wrapper.py 2>&1 | tee "$OUT/probe_streams.txt" | head -20
