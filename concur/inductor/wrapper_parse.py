@@ -32,8 +32,14 @@ way, for ``split_reuses`` (:class:`Reuse`): a triton pointer whose every use
 is the address of a ``tl.store`` and that is not a mutated argument, a C++
 pointer the body only stores through in inductor's two store shapes, the
 ``out=`` of the known extern kernels and ``buf.zero_()``; anything else may
-read, so a reuse before it keeps inductor's alias. ``tests/test_golden_wrappers.py`` checks real wrappers of each
-version in :data:`TESTED_TORCH_VERSIONS` against inductor's own scheduler.
+read, so a reuse before it keeps inductor's alias. The new buffer's own
+storage repeats the old buffer's allocator call or, where no allocator
+call made that memory (an input, an extern kernel's result, a tuple item),
+takes the size and stride the wrapper asserts and the element type the
+first kernel declares (:func:`_stated_fresh`); where those are missing or
+disagree, the alias stays. ``tests/test_golden_wrappers.py`` checks real
+wrappers of each version in :data:`TESTED_TORCH_VERSIONS` against
+inductor's own scheduler.
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ from __future__ import annotations
 import ast
 import copy
 import re
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -56,6 +62,7 @@ TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0", "2.14.1")
 
 _ALLOCATORS = {"empty_strided_cuda", "empty_strided_cpu", "empty_strided_xpu", "empty_strided",
                "empty_strided_p2p"}
+_COPYABLE_ALLOCATORS = _ALLOCATORS - {"empty_strided_p2p"}  # symmetric memory is not a private allocation
 _VIEWS = {"reinterpret_tensor", "as_strided", "alias"}
 _HOST_CHECKS = {"assert_size_stride", "assert_size_stride_grouped", "assert_tensor_metadata",
                 "assert_alignment", "check_alignment", "set_device"}  # host-side only: no kernel
@@ -84,6 +91,9 @@ class Statement:
     bind_group: str | None = None   # the group of the name it binds (assignments)
     # groups a launch only stores to: every argument naming them is a pointer it never reads through
     stores_only: frozenset[str] = frozenset()
+    # group -> element type, where every argument of a launch naming the group is one of its names passed
+    # to a kernel pointer of a declared element type, and those types agree (see :attr:`KernelSignature.dtypes`)
+    dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
 
     @property
     def is_launch(self) -> bool:
@@ -128,6 +138,9 @@ class Reuse:
     new_group: str
     first_access: int               # index of the first launch touching the new group: it only stores to it
     fresh: Statement                # replaces the alias when the reuse is not kept
+    # where the fresh allocation's layout comes from: "allocation" (the old buffer's allocator call, repeated)
+    # or "stated" (the size and stride the wrapper states, the type the first kernel declares: _stated_fresh)
+    made_from: str = "allocation"
 
 
 class UnsupportedWrapper(ValueError):
@@ -145,6 +158,13 @@ class KernelSignature:
     # pointers the kernel never reads through (a subset of ``written``): what it leaves there does not
     # depend on what the memory held before, so a buffer passed there may be a fresh allocation
     stores_only: frozenset[str] = frozenset()
+    # pointer parameter -> the element type the kernel declares for it (triton_meta's signature, the C++
+    # parameter types), for the names :data:`_TRITON_DTYPES` and :data:`_CPP_DTYPES` know; empty where the
+    # launch's positional arguments might not map one to one onto ``params``
+    dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    # the allocator of buffers on the kernel's device (``empty_strided_cuda`` for a triton kernel compiled
+    # for cuda, ``empty_strided_cpu`` for a C++ one), or None where the wrapper does not say
+    allocator: str | None = None
 
 
 _MUTATED = re.compile(r"['\"]mutated_arg_names['\"]\s*:\s*\[([^\]]*)\]")
@@ -169,6 +189,51 @@ def _triton_pointer_types(fn: ast.FunctionDef) -> dict[str, str]:
 
 _TRITON_SCALARS = {"constexpr", "i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64",
                    "fp8e4nv", "fp8e5", "fp16", "bf16", "fp32", "fp64"}
+
+
+# element types of kernel pointers as inductor spells them, each mapped to the one torch dtype spelled so;
+# a name several dtypes share (triton's ``u8`` is also how float8_e8m0fnu and float4_e2m1fn_x2 are passed)
+# or one not listed gives no type, and a buffer passed there no fresh allocation
+_TRITON_DTYPES = {"i1": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64,
+                  "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+_CPP_DTYPES = {"bool": torch.bool, "int8_t": torch.int8, "int16_t": torch.int16, "int32_t": torch.int32,
+               "int64_t": torch.int64, "at::Half": torch.float16, "at::BFloat16": torch.bfloat16,
+               "float": torch.float32, "double": torch.float64}
+
+
+def _triton_pointer_dtype(triton_type: str) -> torch.dtype | None:
+    """Return the element type of a triton signature's pointer type (``*bf16``), or None for anything else."""
+    if not triton_type.startswith("*"):
+        return None
+    return _TRITON_DTYPES.get(triton_type[1:])
+
+
+def _cpp_pointer_dtype(ctype: str) -> torch.dtype | None:
+    """Return the element type of a C++ pointer parameter (``const at::BFloat16*``), or None for anything else."""
+    text = " ".join(ctype.replace("__restrict__", " ").split())
+    if text.count("*") != 1 or not text.endswith("*"):
+        return None  # not a pointer, or a pointer to pointers, or a const pointer: not a form inductor writes
+    pointee = " ".join(w for w in text[:-1].split() if w != "const")
+    return _CPP_DTYPES.get(pointee)
+
+
+def _triton_dtypes(fn: ast.FunctionDef, types: Mapping[str, str]) -> dict[str, torch.dtype]:
+    """Return {pointer parameter: element type} of a triton kernel, or {} when its launches may skip a parameter.
+
+    A launch passes its arguments by position to the parameters that are
+    not ``tl.constexpr`` (the block sizes, set by the autotuner's config), so
+    positions map one to one only when every constexpr comes after the rest.
+    """
+    constexpr = [_is_constexpr(a, types) for a in fn.args.args]
+    if any(c and not later for c, later in zip(constexpr, constexpr[1:])):
+        return {}
+    found = {a.arg: _triton_pointer_dtype(types.get(a.arg, "")) for a in fn.args.args}
+    return {param: dtype for param, dtype in found.items() if dtype is not None}
+
+
+def _is_constexpr(arg: ast.arg, types: Mapping[str, str]) -> bool:
+    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return annotation.endswith("constexpr") or types.get(arg.arg) == "constexpr"
 
 
 def _is_scalar_param(arg: ast.arg, types: Mapping[str, str]) -> bool:
@@ -292,7 +357,7 @@ def _triton_signature(source: str, name: str | None = None) -> KernelSignature |
     # a mutated argument is updated where the kernel writes, its old contents kept elsewhere: never "only stored"
     stores_only = {p for p in pointers if p in written and p not in mutated and not p.startswith("in_out_ptr")
                    and _only_stored(body, p)}
-    return KernelSignature(params, frozenset(written), frozenset(stores_only))
+    return KernelSignature(params, frozenset(written), frozenset(stores_only), _triton_dtypes(fn, types))
 
 
 _CPP_SCALARS = {"bool", "char", "int", "long", "float", "double", "int8_t", "int16_t", "int32_t", "int64_t",
@@ -383,7 +448,10 @@ def kernel_signatures(module_source: str | ast.Module) -> dict[str, KernelSignat
             kernel = call.args[0].value if isinstance(call.args[0], ast.Constant) else None
             sig = _triton_signature(str(call.args[1].value), kernel if isinstance(kernel, str) else None)
             if sig is not None:
-                found[name] = sig
+                device = next((k.value.value for k in call.keywords if k.arg == "device_str"
+                               and isinstance(k.value, ast.Constant)), None)
+                allocator = f"empty_strided_{device}" if isinstance(device, str) else None
+                found[name] = replace(sig, allocator=allocator if allocator in _COPYABLE_ALLOCATORS else None)
         elif how == "cpp_pybinding" and call.args and isinstance(call.args[0], (ast.List, ast.Tuple)):
             if not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in call.args[0].elts):
                 continue  # types we cannot read: the launch stays a barrier
@@ -393,7 +461,9 @@ def kernel_signatures(module_source: str | ast.Module) -> dict[str, KernelSignat
             source = call.args[1].value if len(call.args) > 1 and isinstance(call.args[1], ast.Constant) else None
             stored = _cpp_stores_only(source, len(types)) if isinstance(source, str) else set()
             stores_only = {params[i] for i in stored if params[i] in written}
-            found[name] = KernelSignature(params, frozenset(written), frozenset(stores_only))
+            dtypes = {p: d for p, d in zip(params, map(_cpp_pointer_dtype, types)) if d is not None}
+            found[name] = KernelSignature(params, frozenset(written), frozenset(stores_only), dtypes,
+                                          "empty_strided_cpu")
     return found
 
 
@@ -555,11 +625,11 @@ def parse_wrapper(module_source: str, namespace: Mapping[str, Any], split_reuses
     lines_of_reuse = _reuse_lines(statements, lines)
     reuses: tuple[Reuse, ...] = ()
     if split_reuses and lines_of_reuse:
-        allocations = _whole_allocations(statements, inputs)
-        candidates = frozenset(i for i in lines_of_reuse if i in allocations)
+        storages = _Storages.of(fn, statements, inputs, signatures, namespace)
+        candidates = frozenset(i for i in lines_of_reuse if storages.known(i))
         while candidates:  # splitting one reuse can change what another sees; stop when all hold at once
             split = classify(candidates)
-            found = _splittable_reuses(split, candidates, lines_of_reuse, allocations, inputs, outputs)
+            found = _splittable_reuses(split, candidates, lines_of_reuse, storages, inputs, outputs)
             if len(found) == len(candidates):
                 statements, reuses = split, tuple(found[i] for i in sorted(found))
                 break
@@ -597,9 +667,6 @@ def _reuse_lines(statements: list[Statement], lines: list[str]) -> dict[int, tup
     return found
 
 
-_COPYABLE_ALLOCATORS = _ALLOCATORS - {"empty_strided_p2p"}  # symmetric memory is not a private allocation
-
-
 def _whole_allocations(statements: list[Statement], inputs: tuple[str, ...]) -> dict[int, ast.Call]:
     """Return {alias statement index: allocator call} where the alias's source names that whole allocation.
 
@@ -632,8 +699,7 @@ def _whole_allocations(statements: list[Statement], inputs: tuple[str, ...]) -> 
 
 
 def _splittable_reuses(statements: list[Statement], candidates: frozenset[int], reuse_lines: dict[int, tuple[str, str]],
-                       allocations: dict[int, ast.Call], inputs: tuple[str, ...],
-                       outputs: tuple[str, ...]) -> dict[int, Reuse]:
+                       storages: "_Storages", inputs: tuple[str, ...], outputs: tuple[str, ...]) -> dict[int, Reuse]:
     """Return the candidates that hold in ``statements`` (parsed with them split), each as a :class:`Reuse`.
 
     A reuse may be split only when nothing but the dead memory ties the two
@@ -646,8 +712,8 @@ def _splittable_reuses(statements: list[Statement], candidates: frozenset[int], 
       after the reuse line, nor returned: the old storage is really dead;
     - a launch touched the old group after its name was bound, so the
       alias can be placed where that name is already bound;
-    - the old name holds a whole allocation (:func:`_whole_allocations`),
-      which :attr:`Reuse.fresh` repeats.
+    - :class:`_Storages` knows how to allocate the new buffer afresh
+      (:attr:`Reuse.fresh`).
     """
     state = {name: name for name in inputs}
     named: dict[str, list[int]] = {}     # group -> positions of statements naming it
@@ -693,9 +759,238 @@ def _splittable_reuses(statements: list[Statement], candidates: frozenset[int], 
         first = next((p for p in touched.get(new, ()) if p > k), None)
         if first is None or new not in statements[first].stores_only:
             continue
-        found[s.index] = Reuse(s.index, old, new, statements[first].index,
-                               _fresh_allocation(s, allocations[s.index]))
+        fresh = storages.fresh(statements, k, first, old)
+        if fresh is not None:
+            found[s.index] = Reuse(s.index, old, new, statements[first].index, *fresh)
     return found
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor's size and stride, both constant."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _TensorFacts:
+    """What the wrapper states about one tensor's layout and dtype; a plain alias shares its source's facts."""
+
+    def __init__(self, layout: _Layout | None = None, unreadable: bool = False,
+                 dtypes: Iterable[torch.dtype] = ()):
+        self.layouts: set[_Layout] = {layout} if layout is not None else set()
+        self.unreadable = unreadable  # a statement of its layout this module cannot read (symbolic sizes)
+        self.dtypes: set[torch.dtype] = set(dtypes)  # from allocator calls, its own or a viewed tensor's
+
+    def learn(self, layout: _Layout | None) -> None:
+        if layout is None:
+            self.unreadable = True
+        else:
+            self.layouts.add(layout)
+
+    def layout(self) -> _Layout | None:
+        """The one layout every statement agrees on; None if none was stated, one was not read, or two differ."""
+        return next(iter(self.layouts)) if len(self.layouts) == 1 and not self.unreadable else None
+
+
+def _constant_layout(size: ast.expr, stride: ast.expr) -> _Layout | None:
+    """Return the layout of a size and a stride written as tuples of integers, or None (a symbol, anything else)."""
+    try:
+        values = ast.literal_eval(size), ast.literal_eval(stride)
+    except (ValueError, TypeError, SyntaxError):
+        return None
+    if not all(isinstance(v, tuple) and all(type(x) is int for x in v) for v in values):
+        return None
+    if len(values[0]) != len(values[1]):
+        return None
+    return _Layout(*values)
+
+
+def _constant_dtype(node: ast.expr) -> torch.dtype | None:
+    """Return the dtype an expression such as ``torch.float32`` names, or None."""
+    dotted = _dotted(node) or ""
+    head, _, attr = dotted.rpartition(".")
+    value = getattr(torch, attr, None) if head == "torch" else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _asserted_layouts(call: ast.Call) -> list[tuple[str, _Layout | None]]:
+    """Return (name, layout) for each tensor an ``assert_size_stride`` (or its grouped form) checks; None: unread."""
+    func = (_dotted(call.func) or "").split(".")[-1]
+    if func not in ("assert_size_stride", "assert_size_stride_grouped") or len(call.args) < 3:
+        return []
+    tensors, sizes, strides = call.args[:3]
+    if func == "assert_size_stride":
+        return [(tensors.id, _constant_layout(sizes, strides))] if isinstance(tensors, ast.Name) else []
+    if not isinstance(tensors, ast.Tuple):
+        return []
+    names = [t.id for t in tensors.elts if isinstance(t, ast.Name)]
+    if not (isinstance(sizes, ast.Tuple) and isinstance(strides, ast.Tuple)
+            and len(names) == len(tensors.elts) == len(sizes.elts) == len(strides.elts)):
+        return [(name, None) for name in names]
+    return [(name, _constant_layout(size, stride)) for name, size, stride in zip(names, sizes.elts, strides.elts)]
+
+
+def _restrided(call: ast.Call, signatures: Mapping[str, KernelSignature], namespace: Mapping[str, Any]) -> set[str]:
+    """Return the names whose size or stride ``call`` may change.
+
+    A compiled kernel, an extern kernel writing its ``out=``, ``zero_()``,
+    an allocator, a view or a host check changes at most what memory holds;
+    an aten op may restride the arguments its schema says it writes
+    (``resize_``, ``set_``, ``as_strided_``); any other call, every name
+    it is given.
+    """
+    func = _dotted(call.func) or ""
+    if func.split(".")[-1] in _ALLOCATORS | _VIEWS | _HOST_CHECKS | _STREAM_GETTERS | _INPLACE_METHODS:
+        return set()
+    if _kernel_of(func, signatures) is not None or func.removeprefix("extern_kernels.") in _EXTERN_OUT_ONLY:
+        return set()
+    op = _resolve(func, namespace)
+    if not isinstance(op, torch._ops.OpOverload):
+        return _names(call)
+    bound = _bind_schema(op._schema, call)
+    return {name for arg in op._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write
+            and arg.name in bound for name in _names(bound[arg.name])}
+
+
+def _stated_facts(fn: ast.FunctionDef, signatures: Mapping[str, KernelSignature],
+                  namespace: Mapping[str, Any]) -> dict[ast.stmt, _TensorFacts]:
+    """Return, for each assignment of the call function, what the wrapper states about the tensor it binds.
+
+    Facts come only from what the wrapper writes with constants:
+
+    - ``assert_size_stride(name, size, stride, ...)`` (and its grouped
+      form), which inductor writes for the graph's inputs at the top of
+      ``call`` and after each extern kernel's result or tuple item;
+    - an allocator call's size, stride and dtype;
+    - ``reinterpret_tensor(x, size, stride, 0)``: the view's own layout, and
+      x's dtype. A view at another offset states no layout a fresh
+      allocation could replace;
+    - a plain alias ``a = b`` shares b's facts: inductor aliases a reused
+      buffer only when size and stride are equal, and a later statement
+      about either name is checked against the same facts.
+
+    Any other binding starts with none, so only an assertion can prove it,
+    and a call that may restride a tensor (:func:`_restrided`) leaves
+    nothing proven about it.
+    """
+    facts: dict[str, _TensorFacts] = {}
+    bound: dict[ast.stmt, _TensorFacts] = {}
+
+    def assigned(value: ast.expr) -> _TensorFacts:
+        func = (_dotted(value.func) or "").split(".")[-1] if isinstance(value, ast.Call) else None
+        if isinstance(value, ast.Name):
+            return facts.setdefault(value.id, _TensorFacts())
+        if func in _ALLOCATORS and len(value.args) >= 3 and not value.keywords:
+            layout = _constant_layout(value.args[0], value.args[1])
+            dtype = _constant_dtype(value.args[2])
+            return _TensorFacts(layout, layout is None, [dtype] if dtype is not None else [])
+        if func == "reinterpret_tensor" and len(value.args) == 4 and not value.keywords:
+            source, size, stride, offset = value.args
+            layout = _constant_layout(size, stride)
+            at_start = isinstance(offset, ast.Constant) and type(offset.value) is int and offset.value == 0
+            viewed = facts.get(source.id) if isinstance(source, ast.Name) else None
+            return _TensorFacts(layout, layout is None or not at_start, viewed.dtypes if viewed else ())
+        return _TensorFacts()
+
+    def unproven(names: set[str]) -> None:
+        for name in names:
+            facts.setdefault(name, _TensorFacts()).unreadable = True
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.With):
+                visit(node.body)
+                continue
+            for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+                unproven(_restrided(call, signatures, namespace))
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                facts[node.targets[0].id] = bound[node] = assigned(node.value)
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                for name, layout in _asserted_layouts(node.value):
+                    facts.setdefault(name, _TensorFacts()).learn(layout)
+            elif isinstance(node, ast.Delete):
+                for name in _stored(node):
+                    facts.pop(name, None)
+            else:  # another binding (``primals_1, primals_2 = args``): nothing known of what it binds
+                for name in _stored(node):
+                    facts[name] = _TensorFacts()
+
+    visit(fn.body)
+    return bound
+
+
+@dataclass(frozen=True)
+class _Storages:
+    """How a split reuse's new buffer gets storage of its own, when it is not kept in the old buffer's.
+
+    Either the old name holds a whole allocation (:func:`_whole_allocations`),
+    whose allocator call is repeated (:func:`_fresh_allocation`), or the
+    wrapper states the new buffer's layout and its first kernel declares
+    its element type (:func:`_stated_fresh`): the dead memory of an input,
+    an extern kernel's result, a tuple item, or a view of any of them.
+    """
+
+    allocations: Mapping[int, ast.Call]           # reuse line -> the allocator call its old name holds
+    stated: Mapping[int, _TensorFacts]            # reuse line -> the facts of its new name, with a layout
+    signatures: Mapping[str, KernelSignature]
+    allocators: frozenset[str]                    # the allocators the call function calls
+
+    @classmethod
+    def of(cls, fn: ast.FunctionDef, statements: list[Statement], inputs: tuple[str, ...],
+           signatures: Mapping[str, KernelSignature], namespace: Mapping[str, Any]) -> "_Storages":
+        facts = _stated_facts(fn, signatures, namespace)
+        stated = {s.index: facts[s.node] for s in statements if s.node in facts and facts[s.node].layout()}
+        allocators = frozenset(func.split(".")[-1] for s in statements if s.fresh and s.kind == "host"
+                               and isinstance(s.node, ast.Assign) and isinstance(s.node.value, ast.Call)
+                               for func in [_dotted(s.node.value.func) or ""])
+        return cls(_whole_allocations(statements, inputs), stated, signatures, allocators)
+
+    def known(self, line: int) -> bool:
+        """Whether the reuse line's new buffer could be allocated afresh, before its first kernel is known."""
+        return line in self.allocations or line in self.stated
+
+    def fresh(self, statements: list[Statement], k: int, first: int, old: str) -> tuple[Statement, str] | None:
+        """Return (the statement allocating reuse ``statements[k]``'s new buffer, :attr:`Reuse.made_from`), or None."""
+        alias = statements[k]
+        if alias.index in self.allocations:
+            return _fresh_allocation(alias, self.allocations[alias.index]), "allocation"
+        fresh = _stated_fresh(alias, self.stated[alias.index], statements, first, old, self.signatures,
+                              self.allocators)
+        return (fresh, "stated") if fresh is not None else None
+
+
+def _stated_fresh(alias: Statement, facts: _TensorFacts, statements: list[Statement], first: int, old: str,
+                  signatures: Mapping[str, KernelSignature], allocators: frozenset[str]) -> Statement | None:
+    """Return the statement binding the reuse's new name to an allocation of its stated layout and type, or None.
+
+    ``buf9 = buf5`` becomes ``buf9 = empty_strided_cuda(size, stride, dtype)``:
+
+    - size and stride: the layout the wrapper states (:func:`_stated_facts`);
+    - dtype: the element type the first launch's kernel declares for the
+      pointers it stores the new buffer through (:attr:`Statement.dtypes`).
+      Inductor reuses memory only between buffers of one dtype, so every
+      other launch declaring a type for the new or the old group, and an
+      allocator call the old memory comes from, must say the same, else
+      the types are not understood and the alias stays;
+    - device: the allocator of that kernel's device, which the call
+      function must already call.
+    """
+    launch = statements[first]
+    call = launch.node.value if isinstance(launch.node, (ast.Expr, ast.Assign)) else None
+    func = _dotted(call.func) if isinstance(call, ast.Call) else None
+    signature = _kernel_of(func, signatures) if func is not None else None
+    layout = facts.layout()
+    if signature is None or signature.allocator not in allocators or layout is None:
+        return None
+    new = alias.bind_group
+    dtype = launch.dtypes.get(new)
+    if dtype is None or not facts.dtypes <= {dtype}:
+        return None
+    if any(s.dtypes.get(g, dtype) != dtype for s in statements if s.is_launch for g in (old, new)):
+        return None
+    value = ast.parse(f"{signature.allocator}({layout.size!r}, {layout.stride!r}, {dtype})", mode="eval").body
+    return _fresh_statement(alias, value)
 
 
 def _fresh_allocation(alias: Statement, allocation: ast.Call) -> Statement:
@@ -711,6 +1006,13 @@ def _fresh_allocation(alias: Statement, allocation: ast.Call) -> Statement:
         value.args[0] = copy.deepcopy(allocation)
     else:
         value = copy.deepcopy(allocation)
+    return _fresh_statement(alias, value)
+
+
+def _fresh_statement(alias: Statement, value: ast.expr) -> Statement:
+    """Return the statement binding the alias's name to ``value``, a fresh allocation of its own group."""
+    node = alias.node
+    assert isinstance(node, ast.Assign)
     statement = ast.copy_location(ast.Assign(targets=copy.deepcopy(node.targets), value=value), node)
     group = alias.bind_group
     return Statement(alias.index, statement, "host", frozenset(_names(statement)), alias.binds,
@@ -810,22 +1112,23 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
     output_alias: str | None = None
     if func is None or any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         return _barrier(index, node, groups)  # unpacked arguments: which parameter gets what is unknown
-    kernel_name = func[:-len(".run")] if func.endswith(".run") else func
-    signature = signatures.get(kernel_name)
+    signature = _kernel_of(func, signatures)
     op = _resolve(func, namespace)
+    typed: dict[str, set[torch.dtype | None]] = {}  # group -> element types of the arguments naming it
     if signature is not None:
-        if len(call.args) > len(signature.params):
+        pairs = _kernel_arguments(call, signature)
+        if pairs is None:
             return _barrier(index, node, groups)
-        pairs = list(zip(signature.params, call.args))
-        pairs += [(k.arg, k.value) for k in call.keywords if k.arg in signature.params]
-        # launch options (``stream=stream0``) name no storage; a storage passed any other way counts as written
-        pairs += [(None, k.value) for k in call.keywords if k.arg not in signature.params]
         for param, arg in pairs:
             touched = _group_set(_names(arg), groups)
             reads |= touched
+            # launch options (``stream=stream0``) name no storage; a storage passed any other way counts as written
             if param is None or param in signature.written:
                 writes |= touched
             (stored if param is not None and param in signature.stores_only else other).update(touched)
+            dtype = signature.dtypes.get(param) if isinstance(arg, ast.Name) and param is not None else None
+            for group in touched:
+                typed.setdefault(group, set()).add(dtype)
     elif func.startswith("extern_kernels."):
         reads = _group_set(uses, groups)
         if func[len("extern_kernels."):] in _EXTERN_OUT_ONLY:
@@ -881,9 +1184,30 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
             fresh.add(group)
             writes.add(group)
     touched = reads | writes | _group_set(uses | binds, groups)
+    dtypes = {g: next(iter(types)) for g, types in typed.items() if len(types) == 1 and None not in types}
     return Statement(index, node, "launch", frozenset(uses), frozenset(binds), frozenset(reads),
                      frozenset(writes), (), frozenset(touched - {WORLD, RNG}), frozenset(fresh), group,
-                     frozenset((stored & writes) - other))
+                     frozenset((stored & writes) - other), dtypes)
+
+
+def _kernel_of(func: str, signatures: Mapping[str, KernelSignature]) -> KernelSignature | None:
+    """Return the signature of the compiled kernel a call launches (``triton_poi_x.run``, ``cpp_fused_x``)."""
+    return signatures.get(func[:-len(".run")] if func.endswith(".run") else func)
+
+
+def _kernel_arguments(call: ast.Call, signature: KernelSignature) -> list[tuple[str | None, ast.expr]] | None:
+    """Return (parameter, argument) for each argument of a kernel launch; None if there are more than parameters.
+
+    Positional arguments go to the parameters in order, keywords by name;
+    a keyword that names no parameter (``stream=stream0``, a launch option)
+    pairs with None.
+    """
+    if len(call.args) > len(signature.params):
+        return None
+    pairs: list[tuple[str | None, ast.expr]] = list(zip(signature.params, call.args))
+    pairs += [(k.arg, k.value) for k in call.keywords if k.arg in signature.params]
+    pairs += [(None, k.value) for k in call.keywords if k.arg not in signature.params]
+    return pairs
 
 
 def _bind_schema(schema: torch.FunctionSchema, call: ast.Call) -> dict[str, ast.AST]:
