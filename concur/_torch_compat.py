@@ -268,6 +268,25 @@ def has_inductor_node_streams() -> bool:
         return False
 
 
+def inductor_reuses_within_streams_only() -> bool:
+    """Return True if inductor keys its buffer reuse by stream, so a stamped graph reuses within a stream only.
+
+    torch 2.14.1's ``codegen.wrapper.buffer_reuse_key`` puts the buffer's
+    stream (``Scheduler.get_buf_stream``) in the key. Read from its source,
+    so a torch that drops it reads as False and concur turns reuse off.
+    """
+    if not has_inductor_node_streams():
+        return False
+    try:
+        import inspect
+
+        from torch._inductor.codegen import wrapper
+
+        return "get_buf_stream" in inspect.getsource(wrapper.buffer_reuse_key)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class InductorStreamOps:
     """The ops and helpers a pass needs to put stream syncs in an aten graph inductor will lower."""

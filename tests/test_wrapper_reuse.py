@@ -681,11 +681,46 @@ def test_ordered_reuse_trains_like_eager_and_reports_its_reuses(monkeypatch):
     assert bw.reuses_fresh > 0 and bw.reuses_kept + bw.reuses_fresh > bw.reuses_fresh, bw
 
 
-def test_buffer_reuse_takes_true_false_or_ordered():
+def test_buffer_reuse_takes_true_false_or_ordered_and_defaults_to_ordered_on_both_routes():
     import concur
+    from concur.inductor.backend import BackendOptions
 
-    assert concur.backend(buffer_reuse="ordered").options.buffer_reuse == "ordered"
+    assert BackendOptions().buffer_reuse == "ordered" and concur.backend().options.buffer_reuse == "ordered"
+    assert concur.backend(buffer_reuse=False).options.buffer_reuse is False
+    assert concur.backend(route="inductor_streams").options.buffer_reuse == "ordered"
     with pytest.raises(ValueError, match="buffer_reuse must be True, False or 'ordered'"):
         concur.backend(buffer_reuse="sometimes")
-    with pytest.raises(ValueError, match="buffer_reuse='ordered' needs route='wrapper'"):
-        concur.backend(buffer_reuse="ordered", route="inductor_streams")
+
+
+@pytest.mark.parametrize("setting, within_streams, expected", [
+    ("ordered", True, True), ("ordered", False, False), (False, True, False), (True, False, "unchanged")])
+def test_a_stamped_graph_reuses_only_where_inductor_keeps_reuse_within_a_stream(setting, within_streams, expected,
+                                                                              monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from concur import _torch_compat as compat
+    from concur.inductor.backend import _stamped_reuse
+
+    monkeypatch.setattr(compat, "inductor_reuses_within_streams_only", lambda: within_streams)
+    for before in (True, False):
+        with inductor_config.patch(allow_buffer_reuse=before):
+            with _stamped_reuse(setting):
+                assert inductor_config.allow_buffer_reuse is (before if expected == "unchanged" else expected)
+            assert inductor_config.allow_buffer_reuse is before
+
+
+def test_inductor_reuse_counts_as_within_streams_only_when_its_key_has_the_stream(monkeypatch):
+    from concur import _torch_compat as compat
+
+    if not compat.has_inductor_node_streams():
+        assert not compat.inductor_reuses_within_streams_only()
+        return
+    from torch._inductor.codegen import wrapper
+
+    assert compat.inductor_reuses_within_streams_only()  # torch 2.14.1 keys reuse by (..., stream, mempool)
+
+    def key_without_stream(node):
+        return (node.get_device_or_error(), node.get_dtype())
+
+    monkeypatch.setattr(wrapper, "buffer_reuse_key", key_without_stream)
+    assert not compat.inductor_reuses_within_streams_only()

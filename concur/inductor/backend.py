@@ -53,16 +53,17 @@ class BackendOptions:
     # A graph whose schedule predicts less than this gain over one stream, with kernels sharing the
     # device (schedulers.simulate_shared), keeps inductor's own call.
     min_predicted_speedup: float = DEFAULT_MIN_PREDICTED_SPEEDUP
-    # With streams > 1: whether inductor may put a new buffer in a dead one's memory. Off by
-    # default: each reuse orders the new buffer's writer after every reader of the old one, which
-    # chains independent branches (an 8-branch net's planned backward: ideal 1.04x with reuse,
-    # 3.09x without). Without reuse the fused path costs 0.94-1.08x compile + graph's peak memory
-    # on the H100 in bf16 (ViT-B/16 b32: 1.21x; experiments/RESULTS.md); True trades that
-    # concurrency for inductor's memory footprint. "ordered": inductor reuses, the launches are
-    # scheduled as without reuse, and a reuse is kept only where that schedule orders the two
-    # buffers anyway, else it becomes a fresh allocation (wrapper route only; not yet measured on a
-    # GPU). streams=1 keeps inductor's own setting.
-    buffer_reuse: bool | str = False
+    # With streams > 1: what happens to inductor's reuse of a dead buffer's memory. Each reuse
+    # orders the new buffer's writer after every reader of the old one, which chains independent
+    # branches (an 8-branch net's planned backward: ideal 1.04x with reuse, 3.09x without).
+    # "ordered" (default): inductor reuses, the launches are scheduled as without reuse, and a reuse
+    # is kept only where that schedule orders the two buffers anyway, else it becomes a fresh
+    # allocation; measured on the H100 as fast as False with at most compile + graph's memory
+    # x1.08 (ViT-B/16 b32: 1.05x where False needs 1.21x; experiments/RESULTS.md). False: no reuse.
+    # True: inductor's reuse, chains and all. streams=1 keeps inductor's own setting. On the
+    # inductor_streams route inductor itself reuses only within a stream, so "ordered" is its reuse
+    # where compat confirms that, and no reuse elsewhere.
+    buffer_reuse: bool | str = "ordered"
     # "wrapper": inductor compiles each graph whole and concur rewrites its generated call
     # (concur.inductor.wrapper_emit). "inductor_streams": concur stamps its schedule onto the post-grad
     # aten graph and inductor emits the streams and events itself (concur.inductor.stamp;
@@ -129,9 +130,6 @@ class ConcurBackend:
             raise ValueError(f"min_predicted_speedup must be >= 1.0, got {options.min_predicted_speedup!r}")
         if not (isinstance(options.buffer_reuse, bool) or options.buffer_reuse == BUFFER_REUSE_ORDERED):
             raise ValueError(f"buffer_reuse must be True, False or 'ordered', got {options.buffer_reuse!r}")
-        if options.buffer_reuse == BUFFER_REUSE_ORDERED and options.route != "wrapper":
-            raise ValueError(f"buffer_reuse='ordered' needs route='wrapper', got route={options.route!r}: it decides "
-                             "which reuses to keep in the rewritten wrapper; use True or False with this route")
         self.options = options
         self.graphs: list[CompiledGraphInfo] = []
         self._warned: set[str] = set()
@@ -238,7 +236,7 @@ class ConcurBackend:
         original = snapshot_graph(gm)  # inductor's post-grad passes change gm in place
         try:
             options = StreamOptions(o.streams, o.scheduler, _roofline(o, example_inputs), o.min_predicted_speedup)
-            with compat.inductor_buffer_reuse(False) if not o.buffer_reuse else contextlib.nullcontext():
+            with _stamped_reuse(o.buffer_reuse):
                 done = compile_stamped(gm, example_inputs, options, is_backward, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - run the graph as AOTAutograd gave it, on one stream
             compiled = compat.inductor_compile_graph(original, example_inputs, *args, **kwargs)
@@ -250,6 +248,15 @@ class ConcurBackend:
             r.ideal_speedup if r else 1.0, r.predicted_speedup if r else 1.0, 0,
             (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)")))
         return done.compiled
+
+
+def _stamped_reuse(buffer_reuse: bool | str) -> contextlib.AbstractContextManager:
+    """Inductor's reuse setting for a stamped graph: it emits the streams, and reuses only within one if at all."""
+    if buffer_reuse is True:
+        return contextlib.nullcontext()
+    if buffer_reuse == BUFFER_REUSE_ORDERED and compat.inductor_reuses_within_streams_only():
+        return compat.inductor_buffer_reuse(True)
+    return compat.inductor_buffer_reuse(False)
 
 
 def costs_by_source(graph: fx.Graph, dag: Any) -> dict[str, tuple[float, dict]]:
@@ -283,7 +290,7 @@ def _code(node: ast.stmt) -> str:
 
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
-            min_predicted_speedup: float | None = None, buffer_reuse: bool | str = False,
+            min_predicted_speedup: float | None = None, buffer_reuse: bool | str = BUFFER_REUSE_ORDERED,
             route: str = "wrapper", split_weight_grads: bool = True) -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
@@ -297,18 +304,22 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     one stream (kernels sharing the device) runs on one stream, exactly as
     ``torch.compile`` would; None takes :data:`DEFAULT_MIN_PREDICTED_SPEEDUP`.
 
-    ``buffer_reuse=False`` (the default; it applies to graphs put on several
-    streams) stops inductor from placing new buffers in dead ones, whose
-    reuse chains independent branches: 1.02-1.12x the peak memory of
-    ``torch.compile`` on the H100, for much more concurrency. ``True``
-    keeps inductor's reuse. ``"ordered"`` (wrapper route; not yet measured
-    on a GPU) compiles with inductor's reuse but schedules the launches as
-    without it, then keeps each reuse whose two buffers the schedule orders
-    anyway (same stream, or through its events) and gives every other one
-    a fresh allocation; a reuse whose new buffer's first kernel reads it
-    (an in-place update) is always kept. A graph left on one stream keeps
-    every reuse, exactly as ``torch.compile``; the graph records
-    (:attr:`ConcurBackend.graphs`) count the reuses kept and made fresh.
+    ``buffer_reuse`` decides, for graphs put on several streams, what
+    happens to inductor's placing of new buffers in dead ones, a reuse that
+    chains independent branches. ``"ordered"`` (the default) compiles with
+    inductor's reuse but schedules the launches as without it, then keeps
+    each reuse whose two buffers the schedule orders anyway (same stream,
+    or through its events) and gives every other one a fresh allocation;
+    a reuse whose new buffer's first kernel reads it (an in-place update)
+    is always kept. On the H100 it is as fast as ``False`` and needs at
+    most 1.08x ``torch.compile``'s peak memory (ViT-B/16 b32: 1.05x, where
+    ``False``, no reuse, needs 1.21x). ``True`` keeps inductor's reuse and
+    its chains. A graph left on one stream keeps every reuse, exactly as
+    ``torch.compile``; the graph records (:attr:`ConcurBackend.graphs`)
+    count the reuses kept and made fresh. With ``route="inductor_streams"``
+    inductor reuses within a stream only, so ``"ordered"`` is its reuse
+    there (where :func:`compat.inductor_reuses_within_streams_only`
+    confirms it; no reuse otherwise).
 
     ``route="inductor_streams"`` (torch >= 2.13; tested on CPU, not measured
     on a GPU) stamps the schedule onto the post-grad graph and lets inductor
