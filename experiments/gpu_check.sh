@@ -59,17 +59,20 @@ end_parallel() {
     echo "$(tail -1 "$log") $(basename "$log" .log): $(grep -h "$pattern" "$log" | tail -$lines | tr '\n' ' ' | cut -c1-$width)"
   done | sort | tee "$OUT/$name.txt"
   tar czf "$OUT/${name}_logs.tgz" -C "$d" . ; }
-# buffer_reuse="ordered": the fused envelope (4 models) and the sanitizer (3 models), one process each
-ordered_reuse_checks() {
+# fused_checks REUSE "MODELS" "MODELS": the fused envelope on the first models and the sanitizer on the second, with
+# test_gpu_backend.py's buffer_reuse variant REUSE (reuse, no_reuse, ordered_reuse), one process each
+fused_checks() {
   local m
-  for m in googlenet inception_v3 resnet50 hrnet_w18_small; do
+  for m in $2; do
     t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
-      "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-ordered_reuse]"
+      "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-$1]"
   done
-  for m in googlenet inception_v3 resnet50; do
+  for m in $3; do
     t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
-      "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-ordered_reuse]"
+      "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-$1]"
   done; }
+ordered_reuse_checks() { fused_checks ordered_reuse "googlenet inception_v3 resnet50 hrnet_w18_small" \
+                           "googlenet inception_v3 resnet50"; }
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case "$step" in
@@ -111,14 +114,7 @@ for step in "$@"; do
     check22) begin_parallel check22
              t habits_branchy_priority python3 -m pytest -m cuda -q -s -p no:cacheprovider \
                tests/test_gpu_train_habits.py -k "branchy or priority"
-             for m in googlenet inception_v3 resnet50 dla34 hrnet_w18_small; do
-               t "envelope_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
-                 "tests/test_gpu_backend.py::test_fused_train_step_matches_eager_within_compiles_own_envelope[$m-no_reuse]"
-             done
-             for m in googlenet inception_v3 resnet50; do
-               t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
-                 "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-no_reuse]"
-             done
+             fused_checks no_reuse "googlenet inception_v3 resnet50 dla34 hrnet_w18_small" "googlenet inception_v3 resnet50"
              end_parallel check22 " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
     recheck) begin_parallel recheck
              ordered_reuse_checks
