@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22's benchmark on the device, in one call: several sweeps side by side over one run directory,
 # so they compile in parallel and share one GPU lock (each timing alone, pairs timed in turns).
-#   bash experiments/bench22.sh RUN_DIR PART    (PART: a to j; see below). Packs RUN_DIR to $OUT/bench.tgz.
+#   bash experiments/bench22.sh RUN_DIR PART    (PART: a to k; see below). Packs RUN_DIR to $OUT/bench.tgz.
 set -uo pipefail
 dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -60,6 +60,8 @@ case $part in
            --together compile_graph+fused:4+fused_ordered:4 --compile-jobs 1
      sweep --models googlenet inception_v3 --batches 64 --modes compile_graph fused:4 fused_ordered:4 \
            --together compile_graph+fused:4+fused_ordered:4 --compile-jobs 2 ;;
+  k) sweep --models timm:inception_v4 --batches 64 --precisions fp32 --modes compile_graph fused:4 \
+           --together compile_graph+fused:4 --compile-jobs 1 ;;
 esac
 wait
 pkill -f "experiments.sweep --(one|group)"
