@@ -198,7 +198,7 @@ def test_no_write_or_read_of_the_scheduler_is_missing(path):
 
 def test_the_oracle_check_catches_a_parser_that_drops_a_write(monkeypatch):
     """A parser that forgot ``in_out_ptr`` writes (fused in-place kernels) must fail the golden check."""
-    import concur.inductor.wrapper_parse as kp
+    import concur.inductor.kernel_signatures as kp
 
     real = kp._triton_signature
 

@@ -18,8 +18,8 @@ import networkx as nx
 import pytest
 import torch
 
-from concur.inductor.wrapper_parse import (WORLD, _cpp_param_written, _triton_signature, kernel_signatures,
-                                   parse_wrapper_source, source_namespace)
+from concur.inductor.kernel_signatures import _cpp_param_written, _triton_signature, kernel_signatures
+from concur.inductor.wrapper_parse import WORLD, parse_wrapper_source, source_namespace
 from concur.inductor.wrapper_emit import launch_dag
 
 HANDMADE = Path(__file__).parent / "fixtures" / "wrappers" / "handmade"

@@ -31,9 +31,9 @@ import schedulers
 from concur.dag.cost import Roofline
 from concur.inductor.wrapper_emit import (build_call, kept_reuses, launch_dag, place_kernels, plan_emission,
                                           schedule_launches)
-from concur.inductor.wrapper_parse import (_cpp_pointer_dtype, _cpp_stores_only, _triton_pointer_dtype,
-                                           _triton_signature, kernel_signatures, parse_wrapper, parse_wrapper_source,
-                                           source_namespace)
+from concur.inductor.kernel_signatures import (_cpp_pointer_dtype, _cpp_stores_only, _triton_pointer_dtype,
+                                               _triton_signature, kernel_signatures)
+from concur.inductor.wrapper_parse import parse_wrapper, parse_wrapper_source, source_namespace
 
 COPY = '''
 @triton_heuristics.pointwise(
