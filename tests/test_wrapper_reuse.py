@@ -696,16 +696,28 @@ def test_buffer_reuse_takes_true_false_or_ordered_and_defaults_to_ordered_on_bot
     ("ordered", True, True), ("ordered", False, False), (False, True, False), (True, False, "unchanged")])
 def test_a_stamped_graph_reuses_only_where_inductor_keeps_reuse_within_a_stream(setting, within_streams, expected,
                                                                               monkeypatch):
+    import types
+
     import torch._inductor.config as inductor_config
 
+    import concur
     from concur import _torch_compat as compat
-    from concur.inductor.backend import _stamped_reuse
+    from concur.inductor import backend as backend_mod
 
     monkeypatch.setattr(compat, "inductor_reuses_within_streams_only", lambda: within_streams)
+    seen = []
+
+    def spy_compile_stamped(*args, **kwargs):
+        seen.append(inductor_config.allow_buffer_reuse)
+        return types.SimpleNamespace(result=None, compiled=None)
+
+    monkeypatch.setattr(backend_mod, "compile_stamped", spy_compile_stamped)
+    be = concur.backend(streams=2, buffer_reuse=setting, route="inductor_streams")
+    gm = torch.fx.symbolic_trace(nn.ReLU())
     for before in (True, False):
         with inductor_config.patch(allow_buffer_reuse=before):
-            with _stamped_reuse(setting):
-                assert inductor_config.allow_buffer_reuse is (before if expected == "unchanged" else expected)
+            be._compile_stamped(gm, [torch.randn(4)], False, 1, (), {})
+            assert seen[-1] is (before if expected == "unchanged" else expected)
             assert inductor_config.allow_buffer_reuse is before
 
 

@@ -200,14 +200,9 @@ class ConcurBackend:
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
             self._fall_back(is_backward, num_ops, f"its costs could not be read ({_describe(exc)})")
             return compiled
-        # without reuse only where streams follow; True keeps inductor's (and the user's) setting, and
         # "ordered" needs inductor's reuse lines to decide which of them the schedule can keep
         ordered = o.buffer_reuse == BUFFER_REUSE_ORDERED
-        if ordered or not o.buffer_reuse:
-            reuse = compat.inductor_buffer_reuse(ordered)
-        else:
-            reuse = contextlib.nullcontext()
-        with reuse:
+        with _inductor_reuse(o.buffer_reuse, ordered_reuses=True):
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
         try:
             placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
@@ -236,7 +231,8 @@ class ConcurBackend:
         original = snapshot_graph(gm)  # inductor's post-grad passes change gm in place
         try:
             options = StreamOptions(o.streams, o.scheduler, _roofline(o, example_inputs), o.min_predicted_speedup)
-            with _stamped_reuse(o.buffer_reuse):
+            # inductor emits the streams here, so "ordered" is its reuse where that stays within a stream
+            with _inductor_reuse(o.buffer_reuse, ordered_reuses=compat.inductor_reuses_within_streams_only()):
                 done = compile_stamped(gm, example_inputs, options, is_backward, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - run the graph as AOTAutograd gave it, on one stream
             compiled = compat.inductor_compile_graph(original, example_inputs, *args, **kwargs)
@@ -250,13 +246,13 @@ class ConcurBackend:
         return done.compiled
 
 
-def _stamped_reuse(buffer_reuse: bool | str) -> contextlib.AbstractContextManager:
-    """Inductor's reuse setting for a stamped graph: it emits the streams, and reuses only within one if at all."""
+def _inductor_reuse(buffer_reuse: bool | str, ordered_reuses: bool) -> contextlib.AbstractContextManager:
+    """Inductor's reuse setting while it compiles a graph for streams: ``True`` leaves inductor's (and the
+    user's) setting, ``False`` turns reuse off, ``"ordered"`` turns it on where ``ordered_reuses`` says the
+    route keeps only the reuses its streams order, and off elsewhere."""
     if buffer_reuse is True:
         return contextlib.nullcontext()
-    if buffer_reuse == BUFFER_REUSE_ORDERED and compat.inductor_reuses_within_streams_only():
-        return compat.inductor_buffer_reuse(True)
-    return compat.inductor_buffer_reuse(False)
+    return compat.inductor_buffer_reuse(buffer_reuse == BUFFER_REUSE_ORDERED and ordered_reuses)
 
 
 def costs_by_source(graph: fx.Graph, dag: Any) -> dict[str, tuple[float, dict]]:
