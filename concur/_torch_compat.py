@@ -504,3 +504,31 @@ def saved_tensors_hooks_active() -> bool:
     if top is None:  # pragma: no cover - depends on torch version
         return True
     return top(False) is not None
+
+
+# --- The captured optimizer update (concur.training.captured_optim) ---------------------------------
+
+def _fused_sgd_tensor_lr() -> Callable | None:
+    """aten's ``_fused_sgd_.tensor_lr`` overload (torch >= 2.4), or None where this torch lacks it."""
+    op = getattr(torch.ops.aten, "_fused_sgd_", None)
+    return getattr(op, "tensor_lr", None) if op is not None else None
+
+
+def foreach_axpy_(xs: list[torch.Tensor], ys: list[torch.Tensor], scale: torch.Tensor, add: bool) -> None:
+    """``x += scale * y`` (``add``) or ``x -= scale * y`` for each pair, ``scale`` a 0-dim device tensor.
+
+    torch's foreach ops take a device scalar only as a multiplier of one list
+    (``_foreach_mul``), so ``x += s*y`` would allocate ``s*y`` for every
+    parameter. aten's fused SGD with momentum 0 and a tensor ``lr`` is exactly
+    ``x -= lr*y`` in one multi-tensor kernel without a temporary (its CUDA
+    kernel reads ``lr`` as float32, hence ``scale``'s dtype there; on the CPU it
+    reads the value on the host). Without that overload, or for float64 on
+    CUDA (where a float32 scale would round), it falls back to the temporary.
+    """
+    fused = _fused_sgd_tensor_lr()
+    if fused is None or (xs[0].is_cuda and (scale.dtype != torch.float32 or xs[0].dtype == torch.float64)):
+        scaled = torch._foreach_mul(ys, scale.to(xs[0].dtype))
+        (torch._foreach_add_ if add else torch._foreach_sub_)(xs, scaled)
+        return
+    fused(xs, ys, [], weight_decay=0.0, momentum=0.0, lr=scale, dampening=0.0, nesterov=False, maximize=add,
+          is_first_step=False)

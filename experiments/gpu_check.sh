@@ -21,6 +21,9 @@
 #                  buffer_reuse="ordered", the unfused path's weight-gradient split (tests/test_gpu_weight_grads.py),
 #                  the train_step habits (default stream priority), tests/test_gpu.py and the DDP test;
 #                  one line each in $OUT/recheck.txt, logs in $OUT/recheck_logs.tgz
+#   lean           in parallel processes: the lean captured step against PyTorch's recipe (tests/test_gpu_lean_step.py:
+#                  kernels and memory), the train_step habits, tests/test_gpu.py, the unfused weight-gradient split,
+#                  the fused envelope and sanitizer (GoogLeNet, ResNet-50); $OUT/lean.txt, $OUT/lean_logs.tgz
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -123,6 +126,13 @@ for step in "$@"; do
              t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
              t ddp python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_ddp.py
              end_parallel recheck " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
+    lean) begin_parallel lean
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             fused_checks ordered_reuse "googlenet resnet50" "googlenet resnet50"
+             end_parallel lean " passed\| failed\|Error\|sanitized run finished\|deviation\|first update\|kernels per\|memory, concur" 5 900 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

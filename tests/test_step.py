@@ -140,8 +140,9 @@ def auto_configuration_with_faked_tuner(monkeypatch, chosen: dict, *args):
     """Run streams="auto"'s choice on faked CUDA, the tuner faked to choose ``chosen``; return (choice, its kwargs)."""
     import types
 
-    import concur.training.step as train_mod
     import concur.observe.tuner as tuner_mod
+    import concur.training.auto as auto_mod
+    import concur.training.step as train_mod
 
     seen = {}
 
@@ -150,7 +151,7 @@ def auto_configuration_with_faked_tuner(monkeypatch, chosen: dict, *args):
         return types.SimpleNamespace(config=types.SimpleNamespace(**chosen))
 
     monkeypatch.setattr(tuner_mod, "tune_train_step", fake_tune)
-    monkeypatch.setattr(train_mod, "tensors_in", lambda x: [types.SimpleNamespace(is_cuda=True)])
+    monkeypatch.setattr(auto_mod, "tensors_in", lambda x: [types.SimpleNamespace(is_cuda=True)])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = WideNet(branches=2)
     got = train_mod._auto_configuration(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
@@ -191,18 +192,18 @@ def test_compile_options_reach_the_backend_and_need_compile():
 
 
 def test_snapshot_restores_the_loss_scale_even_if_warm_up_created_it():
-    from concur.training.step import _Snapshot
+    from concur.training.snapshot import Snapshot
 
     model = WideNet(branches=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fresh = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    snapshot = _Snapshot(model, opt, fresh)  # before the first scale(): no tensors yet
+    snapshot = Snapshot(model, opt, weights=True, grad_scaler=fresh)  # before the first scale(): no tensors yet
     fresh.scale(torch.ones(()))
     fresh.update(new_scale=8.0)
     snapshot.restore()
     assert fresh.get_scale() == 1024.0 and fresh._growth_tracker.item() == 0
 
-    snapshot = _Snapshot(model, opt, fresh)  # now with tensors: restored to the saved values
+    snapshot = Snapshot(model, opt, weights=True, grad_scaler=fresh)  # now with tensors: restored to the saved values
     fresh.update(new_scale=2.0)
     snapshot.restore()
     assert fresh.get_scale() == 1024.0
@@ -217,3 +218,44 @@ def test_sgd_adam_adamw_are_made_fused_for_the_device_side_skip_and_others_are_r
         assert enable_device_side_amp_skip(opt)
         assert opt._step_supports_amp_scaling and all(g["fused"] and not g["foreach"] for g in opt.param_groups)
     assert not enable_device_side_amp_skip(torch.optim.LBFGS(params))
+
+
+def test_registration_hooks_live_only_while_a_step_needs_them():
+    """torch's module-registration hooks are process-wide: the last step gone, they are removed."""
+    import gc
+
+    from concur.training.fingerprint import REGISTRATIONS
+
+    gc.collect()
+    before = REGISTRATIONS._watchers
+    model = WideNet(branches=2)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    step = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                             streams=1, cuda_graph=False)
+    assert REGISTRATIONS._watchers == before + 1 and REGISTRATIONS.hooked
+    counted = REGISTRATIONS.count
+    model.extra = nn.Linear(2, 2)
+    assert REGISTRATIONS.count > counted
+    del step
+    gc.collect()
+    assert REGISTRATIONS._watchers == before
+    if before == 0:
+        assert not REGISTRATIONS.hooked
+
+
+def test_a_saved_step_keeps_its_arguments_by_name_and_loads_the_old_positional_form():
+    import pickle
+
+    model = WideNet(branches=2)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    step = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                             streams=2, cuda_graph=False, accumulate=3)
+    state = step.__getstate__()
+    assert state["arguments"]["accumulate"] == 3 and state["arguments"]["streams"] == 2
+    loaded = pickle.loads(pickle.dumps(step))
+    assert loaded.accumulate == 3 and loaded.requested_streams == 2
+    from concur.training.step import _ARGUMENTS, TrainStep
+
+    old = TrainStep.__new__(TrainStep)  # a step saved before arguments were saved by name: a positional tuple
+    old.__setstate__({"arguments": tuple(state["arguments"][name] for name in _ARGUMENTS), "micro": 1})
+    assert old.accumulate == 3 and old.requested_streams == 2 and old.micro == 1

@@ -31,12 +31,11 @@ from typing import Callable
 
 import torch
 
+from concur import _torch_compat as compat
+
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 # eps stays a float in the captured code (no scheduler moves it; a new value is a new capture): adding a
 # device scalar to a list of tensors would need torch's _foreach_add Tensor overload, newer than the others used.
-_NAMES = {torch.optim.SGD: ("lr", "momentum", "weight_decay"),
-          torch.optim.Adam: ("lr", "beta1", "beta2", "weight_decay"),
-          torch.optim.AdamW: ("lr", "beta1", "beta2", "weight_decay")}
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -97,34 +96,64 @@ def _nonzero(x: float | torch.Tensor) -> bool:
     return bool(x != 0) if not isinstance(x, torch.Tensor) else True  # a tensor value may change: keep its code
 
 
+# Scalars the captured updates read, each a function of a param group's values. They are worked out on the host
+# at refresh (one fill kernel per changed value, outside the graph), so the graph computes no scalar itself.
+_DERIVED: dict[str, Callable[[dict], float | torch.Tensor]] = {
+    "lr": lambda g: g["lr"],
+    "momentum": lambda g: g["momentum"],
+    "weight_decay": lambda g: g["weight_decay"],
+    "lr_momentum": lambda g: g["lr"] * g["momentum"],
+    "one_minus_lr_wd": lambda g: 1 - g["lr"] * g["weight_decay"],
+    "beta1": lambda g: g["betas"][0],
+    "beta2": lambda g: g["betas"][1],
+    "one_minus_beta1": lambda g: 1 - g["betas"][0],
+    "one_minus_beta2": lambda g: 1 - g["betas"][1],
+}
+
+
+def scale_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a scalar that :func:`concur._torch_compat.foreach_axpy_` reads (float32 on CUDA)."""
+    return torch.float32 if device.type == "cuda" and dtype != torch.float64 else dtype
+
+
 class DeviceHyperparameters:
-    """One float64 0-dim tensor per hyperparameter of each param group, on the group's device."""
+    """0-dim device tensors holding each param group's hyperparameters, made on demand per dtype and device.
+
+    The captured update asks :meth:`scalar` for what it reads while it is
+    built (outside any graph); :meth:`refresh` writes the groups' current
+    values into them before each replay.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.names = _NAMES[type(optimizer)]
-        self.tensors: list[dict[str, torch.Tensor]] = []
-        self.seen: list[dict[str, object]] = []
-        self.sync_groups()
+        self.tensors: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.seen: dict[tuple, object] = {}
+
+    def scalar(self, group: int, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Return the tensor holding ``name`` (a key of ``_DERIVED``) of param group ``group``, filled now."""
+        key = (group, name, dtype, torch.device(device))
+        if key not in self.tensors:
+            self.tensors[key] = torch.zeros((), dtype=dtype, device=device)
+            self._write(key)
+        return self.tensors[key]
 
     def sync_groups(self) -> None:
-        """Make one set of tensors per param group (after groups were added), then refresh all."""
-        for group in self.optimizer.param_groups[len(self.tensors):]:
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            self.tensors.append({n: torch.zeros((), dtype=torch.float64, device=device) for n in self.names})
-            self.seen.append({})
+        """Kept for callers that add param groups: new groups get their tensors when an update asks for them."""
         self.refresh()
 
     def refresh(self) -> None:
-        """Write every hyperparameter that changed since the last refresh into its tensor (no host sync)."""
-        for group, tensors, seen in zip(self.optimizer.param_groups, self.tensors, self.seen):
-            for name in self.names:
-                value = _value(group, name)
-                if isinstance(value, torch.Tensor):
-                    tensors[name].copy_(value.detach().reshape(()), non_blocking=True)
-                elif seen.get(name) != value:
-                    tensors[name].fill_(value)
-                    seen[name] = value
+        """Write every hyperparameter that changed since the last refresh into its tensors (no host sync)."""
+        for key in self.tensors:
+            self._write(key)
+
+    def _write(self, key: tuple) -> None:
+        group, name = key[0], key[1]
+        value = _DERIVED[name](self.optimizer.param_groups[group])
+        if isinstance(value, torch.Tensor):
+            self.tensors[key].copy_(value.detach().reshape(()), non_blocking=True)
+        elif self.seen.get(key) != value:
+            self.tensors[key].fill_(value)
+            self.seen[key] = value
 
 
 @dataclass
@@ -133,42 +162,68 @@ class _Bucket:
 
     group: int
     params: list[torch.Tensor]
-    grads: list[torch.Tensor]
     state: dict[str, list[torch.Tensor]]
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients as they are now: the captured step reads them while it is captured."""
+        return [p.grad for p in self.params]
+
+    def shadow(self) -> tuple["_Bucket", list[torch.Tensor]]:
+        """A one-element stand-in of this bucket and its gradients, to warm the update's kernels up on.
+
+        The update then runs once before capture (the same kernels, lazily
+        loaded ones included) without touching the user's parameters or state.
+        """
+        one = lambda t: torch.zeros((1,) * max(t.dim(), 1), dtype=t.dtype, device=t.device)  # noqa: E731
+        state = {n: [torch.zeros_like(ts[0]) if ts[0].dim() == 0 else one(ts[0])] for n, ts in self.state.items()}
+        return _Bucket(self.group, [one(self.params[0])], state), [one(self.params[0])]
 
 
 def build_update(optimizer: torch.optim.Optimizer, hyper: DeviceHyperparameters,
-                 grads: dict[torch.Tensor, torch.Tensor]) -> Callable[[], None]:
-    """Return ``update()``: one optimizer step over the parameters in ``grads``, reading ``hyper``.
+                 params: list[torch.Tensor]) -> Callable[[], None]:
+    """Return ``update()``: one optimizer step over ``params``, reading ``hyper`` and each ``p.grad``.
 
-    ``grads`` maps each parameter that receives a gradient to the tensor the
-    step accumulates it in; parameters without one are skipped, as
-    ``optimizer.step()`` skips those whose ``.grad`` is None. Missing
-    optimizer state is created here, as zeros (what a first step starts from).
-    Everything the update touches is fixed now: it is captured once and
-    replayed.
+    ``params`` are the parameters that receive a gradient; the others are
+    skipped, as ``optimizer.step()`` skips those whose ``.grad`` is None.
+    The gradients are read when ``update()`` runs: under capture these are
+    the tensors backward has just written. Missing optimizer state is created
+    here, as zeros (what a first step starts from). ``update.warm_up()`` runs
+    the same kernels on one-element stand-ins.
     """
     is_sgd = isinstance(optimizer, torch.optim.SGD)
-    buckets = _buckets(optimizer, grads, is_sgd)
+    buckets = _buckets(optimizer, set(params), is_sgd)
     flags = structure(optimizer)
-    if is_sgd:
-        steps = [_sgd_bucket(b, hyper.tensors[b.group], *flags[b.group][:4]) for b in buckets]
-    else:
-        steps = [_adam_bucket(b, hyper.tensors[b.group], *flags[b.group]) for b in buckets]
+    make = (lambda b: _sgd_bucket(b, hyper, *flags[b.group][:4])) if is_sgd else \
+        (lambda b: _adam_bucket(b, hyper, *flags[b.group]))
+    steps = [(make(b), b) for b in buckets]
 
     @torch.no_grad()
     def update() -> None:
-        for step in steps:
-            step()
+        for step, bucket in steps:
+            step(bucket, bucket.grads())
 
+    @torch.no_grad()
+    def warm_up() -> None:
+        for step, bucket in steps:
+            step(*bucket.shadow())
+
+    update.warm_up = warm_up  # type: ignore[attr-defined]
     return update
 
 
-def _buckets(optimizer: torch.optim.Optimizer, grads: dict, is_sgd: bool) -> list[_Bucket]:
+def _buckets(optimizer: torch.optim.Optimizer, params: set, is_sgd: bool) -> list[_Bucket]:
     buckets: dict[tuple, _Bucket] = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if p not in grads:
+            if p not in params:
                 continue
             state = optimizer.state[p]
             if is_sgd:
@@ -180,10 +235,9 @@ def _buckets(optimizer: torch.optim.Optimizer, grads: dict, is_sgd: bool) -> lis
                 names = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
             key = (gi, p.device, p.dtype)
             if key not in buckets:
-                buckets[key] = _Bucket(gi, [], [], {n: [] for n in names})
+                buckets[key] = _Bucket(gi, [], {n: [] for n in names})
             b = buckets[key]
             b.params.append(p)
-            b.grads.append(grads[p])
             for n in names:
                 b.state[n].append(state[n])
     return list(buckets.values())
@@ -201,62 +255,87 @@ def _init_adam_state(state: dict, p: torch.Tensor, amsgrad: bool) -> None:
             state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _sgd_bucket(b: _Bucket, h: dict[str, torch.Tensor], nesterov: bool, maximize: bool, momentum_on: bool,
-                decay_on: bool) -> Callable[[], None]:
-    """torch.optim.SGD's update (dampening 0): d = g + wd*p; buf = m*buf + d; p -= lr*(d + m*buf if nesterov else buf)."""
-    device, dtype = b.params[0].device, b.params[0].dtype
+def _sgd_bucket(b: _Bucket, hyper: DeviceHyperparameters, nesterov: bool, maximize: bool, momentum_on: bool,
+                decay_on: bool) -> Callable[[_Bucket, list[torch.Tensor]], None]:
+    """torch.optim.SGD's update (dampening 0) with no temporary and as many multi-tensor kernels as torch's.
 
-    def step() -> None:
-        lr, m, wd = (h[n].to(device=device, dtype=dtype) for n in ("lr", "momentum", "weight_decay"))
-        d = torch._foreach_neg(b.grads) if maximize else b.grads
+    torch's foreach step: ``d = g + wd*p`` (a temporary), ``buf = m*buf + d``,
+    ``p -= lr*(d + m*buf if nesterov else buf)``. Here every ``x += s*y`` with
+    a device scalar ``s`` is one fused kernel (:func:`compat.foreach_axpy_`),
+    and weight decay goes into the buffer (``buf += wd*p``) or scales the
+    parameters (``p *= 1 - lr*wd``), so no gradient-sized temporary is made.
+    Rounding differs from torch's order by an ulp, as any reordering would.
+    """
+    scalar = lambda name, dtype: hyper.scalar(b.group, name, dtype, b.device)  # noqa: E731
+    sdt = scale_dtype(b.device, b.dtype)
+    lr, m = scalar("lr", sdt), scalar("momentum", b.dtype)
+    wd, lr_m, shrink = scalar("weight_decay", sdt), scalar("lr_momentum", sdt), scalar("one_minus_lr_wd", b.dtype)
+    descend = maximize  # maximize: p += lr*d, and d = -g + wd*p
+
+    def step(bucket: _Bucket, grads: list[torch.Tensor]) -> None:
+        params = bucket.params
+        if not momentum_on:
+            if decay_on:
+                torch._foreach_mul_(params, shrink)
+            compat.foreach_axpy_(params, grads, lr, add=descend)
+            return
+        bufs = bucket.state["momentum_buffer"]
+        torch._foreach_mul_(bufs, m)
+        (torch._foreach_sub_ if maximize else torch._foreach_add_)(bufs, grads)
         if decay_on:
-            d = torch._foreach_add(d, torch._foreach_mul(b.params, wd))
-        if momentum_on:
-            bufs = b.state["momentum_buffer"]
-            torch._foreach_mul_(bufs, m)
-            torch._foreach_add_(bufs, d)
-            d = torch._foreach_add(d, torch._foreach_mul(bufs, m)) if nesterov else bufs
-        torch._foreach_add_(b.params, torch._foreach_mul(d, -lr))
+            compat.foreach_axpy_(bufs, params, wd, add=True)
+        if nesterov:  # p -= lr*(d + m*buf) with d = ±g + wd*p, each term in turn
+            if decay_on:
+                torch._foreach_mul_(params, shrink)
+            compat.foreach_axpy_(params, grads, lr, add=descend)
+            compat.foreach_axpy_(params, bufs, lr_m, add=False)
+        else:
+            compat.foreach_axpy_(params, bufs, lr, add=False)
 
     return step
 
 
-def _adam_bucket(b: _Bucket, h: dict[str, torch.Tensor], amsgrad: bool, maximize: bool, decay_on: bool,
-                 decoupled: bool, eps: float) -> Callable[[], None]:
+def _adam_bucket(b: _Bucket, hyper: DeviceHyperparameters, amsgrad: bool, maximize: bool, decay_on: bool,
+                 decoupled: bool, eps: float) -> Callable[[_Bucket, list[torch.Tensor]], None]:
     """torch.optim.Adam's update (AdamW's with ``decoupled``), bias corrections in float64 on the device.
 
     The per-parameter scalars (bias corrections of each step count) are
     lists of 0-dim tensors, as in torch's own capturable Adam.
     """
-    device, dtype = b.params[0].device, b.params[0].dtype
-    steps, avgs, sqs = b.state["step"], b.state["exp_avg"], b.state["exp_avg_sq"]
+    scalar = lambda name, dtype: hyper.scalar(b.group, name, dtype, b.device)  # noqa: E731
+    f64, dt = torch.float64, b.dtype
+    lr, beta1, beta2 = scalar("lr", f64), scalar("beta1", f64), scalar("beta2", f64)
+    b1, b2, one_minus_b1 = scalar("beta1", dt), scalar("beta2", dt), scalar("one_minus_beta1", scale_dtype(b.device, dt))
+    one_minus_b2, wd, shrink = scalar("one_minus_beta2", dt), scalar("weight_decay", dt), scalar("one_minus_lr_wd", dt)
+    cast = lambda t: t.to(dt)  # noqa: E731
 
-    def step() -> None:
-        lr, beta1, beta2, wd = (h[n].to(device) for n in ("lr", "beta1", "beta2", "weight_decay"))
-        cast = lambda t: t.to(dtype)  # noqa: E731
+    def step(bucket: _Bucket, grads: list[torch.Tensor]) -> None:
+        params, steps = bucket.params, bucket.state["step"]
+        avgs, sqs = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
         torch._foreach_add_(steps, 1)
-        g = torch._foreach_neg(b.grads) if maximize else b.grads
+        g = torch._foreach_neg(grads) if maximize else grads
         if decay_on:
             if decoupled:
-                torch._foreach_mul_(b.params, cast(1 - lr * wd))
+                torch._foreach_mul_(params, shrink)
             else:
-                g = torch._foreach_add(g, torch._foreach_mul(b.params, cast(wd)))
-        torch._foreach_mul_(avgs, cast(beta1))
-        torch._foreach_add_(avgs, torch._foreach_mul(g, cast(1 - beta1)))
-        torch._foreach_mul_(sqs, cast(beta2))
-        torch._foreach_add_(sqs, torch._foreach_mul(torch._foreach_mul(g, g), cast(1 - beta2)))
+                decayed = torch._foreach_mul(params, wd)  # torch's step makes this temporary too
+                torch._foreach_add_(decayed, g)
+                g = decayed
+        torch._foreach_mul_(avgs, b1)
+        compat.foreach_axpy_(avgs, g, one_minus_b1, add=True)
+        torch._foreach_mul_(sqs, b2)
+        torch._foreach_addcmul_(sqs, torch._foreach_mul(g, one_minus_b2), g)
         # Each parameter's own step count: a parameter frozen for a while has taken fewer steps.
         t = torch.stack(steps).to(torch.float64)
         bias1, bias2 = 1 - beta1.pow(t), 1 - beta2.pow(t)
         if amsgrad:
-            torch._foreach_maximum_(b.state["max_exp_avg_sq"], sqs)
-            denom = torch._foreach_sqrt(b.state["max_exp_avg_sq"])
+            torch._foreach_maximum_(bucket.state["max_exp_avg_sq"], sqs)
+            denom = torch._foreach_sqrt(bucket.state["max_exp_avg_sq"])
         else:
             denom = torch._foreach_sqrt(sqs)
         torch._foreach_div_(denom, list(cast(bias2.sqrt()).unbind()))
         torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(avgs, denom)
-        torch._foreach_mul_(update, list(cast(-lr / bias1).unbind()))
-        torch._foreach_add_(b.params, update)
+        torch._foreach_div_(denom, list(cast(-lr / bias1).unbind()))
+        torch._foreach_addcdiv_(params, avgs, denom)
 
     return step

@@ -3,48 +3,39 @@
 At small batches eager PyTorch is bound by the CPU launching kernels, and
 streams in eager mode only add launch work. Inside a captured CUDA graph the
 launches cost nothing at replay, so the concurrency of the plan shows. Hence
-the whole step is captured once per input shape and replayed.
+the whole step is captured once per input shape and replayed, and it should
+cost no more than PyTorch's own whole-step capture (``experiments/peers.py``):
 
-Capture needs warm-up iterations (cuBLAS/cuDNN handles, optimizer state,
-autograd's lazy buffers) and those *train*. So model parameters, buffers,
-gradients and optimizer state are snapshotted before warm-up and restored
-after capture, in place (the graph keeps the same addresses): the first
-replay is then exactly the user's first step. A failed capture restores the
-snapshot too, then falls back to fewer streams and finally to eager
-execution, with one warning each.
-
-A replay reruns the kernels of its capture with the arguments of its
-capture, so whatever the step reads from Python is frozen in it:
-
-- Hyperparameters. For SGD, Adam and AdamW the captured update reads them
-  from device tensors written from the param groups before each replay
-  (:mod:`concur.training.captured_optim`), so every ``lr_scheduler`` works on the
-  user's plain floats. Other optimizers, and fused ones stepped by a
-  GradScaler, keep their own ``step()``; their graphs are keyed on the
+- Gradients. With ``accumulate=1`` backward writes fresh gradients into the
+  graph's memory, as in PyTorch's recipe (``zero_grad(set_to_none=True)``
+  before capture): no zeroing and no add per parameter. After each call
+  ``p.grad`` shows the tensors the replayed graph wrote. With accumulation
+  the gradients live in buffers the step owns, allocated outside the graphs,
+  so the graphs of every cycle position and input shape add into the same
+  tensors.
+- The update. SGD, Adam and AdamW are captured as the step's own foreach
+  update reading hyperparameters from device tensors written before each
+  replay (:mod:`concur.training.captured_optim`), so every ``lr_scheduler``
+  works on the user's plain floats. Other optimizers, and fused ones stepped
+  by a GradScaler, keep their own ``step()``; their graphs are keyed on the
   hyperparameter values, so a new value is a new capture (warned once).
-- Everything else the trace depends on is fingerprinted on every call and is
-  part of the graph's key: the train/eval flag of every module, the
-  ``requires_grad`` of every parameter, the module tree (counted through
-  torch's module/parameter/buffer registration hooks, so it is walked again
-  only after a registration somewhere), the param groups and
-  ``optimizer.load_state_dict`` calls. A change gives a new capture (LRU
-  cache), never a replay of a stale graph. ``model.load_state_dict`` copies
-  in place and needs none.
-- Gradients live in buffers owned by the step, allocated outside the graphs
-  for the parameters the probe backward reaches, so graphs for different
-  shapes and for the positions of a gradient-accumulation cycle all
-  accumulate into the same tensors, and ``p.grad`` shows them after a call.
+- Setup. Warm-up runs forward and backward on one side stream; with the
+  step's own update it runs no optimizer step, so only buffers (BatchNorm
+  statistics) and the RNG state are saved and put back
+  (:mod:`concur.training.snapshot`): the first replay is exactly the user's
+  first step. The graphs of a step share one memory pool
+  (:mod:`concur.training.graph_runner`).
+- Everything else the trace read from Python is part of the graph's key
+  (:mod:`concur.training.fingerprint`). A failed capture falls back to one
+  stream and then to eager execution, with one warning each.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -54,13 +45,20 @@ from concur.dag.annotate import tensors_in
 from concur.fx import module as api
 from concur.inductor.backend import ConcurBackend, backend
 from concur.training import captured_optim
+from concur.training.arguments import check_arguments, check_optimizer, check_streams, make_capturable, \
+    split_option
+from concur.training.auto import COMPILED_MAX_STREAMS as _COMPILED_MAX_STREAMS  # noqa: F401 (tests read it here)
+from concur.training.auto import auto_configuration
+from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
+from concur.training.graph_runner import Captured, graph_runner as _graph_runner
+from concur.training.snapshot import Snapshot
 
 BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
-log = logging.getLogger("concur")
-
-# torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
-HIGHEST_PRIORITY = -100
+# train_step's arguments by name; also the order in which steps pickled before 2026-11-24 saved them
+_ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
+              "warmup", "compile", "amp_dtype", "grad_scaler", "compile_options", "accumulate", "before_step",
+              "stream_priority", "split_weight_grads")
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -71,156 +69,9 @@ def _signature(inputs: tuple, targets: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors_in((inputs, targets)))
 
 
-_REGISTRATIONS = [0]  # module, parameter and buffer registrations anywhere since import
-
-
-def _count_registration(*args: Any) -> None:
-    _REGISTRATIONS[0] += 1
-
-
-@functools.cache
-def _watch_registrations() -> None:
-    """Count assignments of submodules, parameters and buffers (torch's global registration hooks).
-
-    Walking a 240-module model costs ~0.6 ms, reading its flags from a kept
-    list ~0.05 ms: the tree is walked again only after the count moved.
-    """
-    from torch.nn.modules import module as module_mod
-
-    for name in ("register_module_module_registration_hook", "register_module_parameter_registration_hook",
-                 "register_module_buffer_registration_hook"):
-        getattr(module_mod, name)(_count_registration)
-
-
-@dataclass
-class _Captured:
-    graph: Any  # torch.cuda.CUDAGraph, or the CPU tests' emulation
-    static_inputs: tuple
-    static_targets: Any
-    static_loss: torch.Tensor
-    streams: int
-    grads: dict = field(default_factory=dict)  # parameter -> the gradient buffer the graph accumulates into
-
-
-class _Snapshot:
-    """Copies of parameters, buffers, gradients, optimizer, loss-scaler and RNG state, restorable in place.
-
-    The RNG state matters for dropout: warm-up draws masks, and without the
-    restore the first replay would draw different masks than the user's first
-    eager step, so the same seed would not give the same run. The loss scale
-    matters for fp16: warm-up steps may back it off or grow it. Gradients are
-    restored into the same tensor objects: graphs accumulate into them.
-    """
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 grad_scaler: "torch.amp.GradScaler | None" = None):
-        self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        self.scaler_state = (None, None) if grad_scaler is None else \
-            tuple(None if t is None else t.clone() for t in compat.grad_scaler_tensors(grad_scaler))
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.tensors = [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
-        self.grads = {p: (None if p.grad is None else (p.grad, p.grad.detach().clone())) for p in model.parameters()}
-        self.state = {(p, k): v.detach().clone() for p, s in optimizer.state.items()
-                      for k, v in s.items() if isinstance(v, torch.Tensor)}
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for live, saved in self.tensors:
-            live.copy_(saved)
-        for p, g in self.grads.items():
-            if g is not None:
-                g[0].copy_(g[1])
-            p.grad = None if g is None else g[0]
-        for p, s in self.optimizer.state.items():
-            for k, v in list(s.items()):
-                if not isinstance(v, torch.Tensor):
-                    continue
-                if (p, k) in self.state:
-                    v.copy_(self.state[(p, k)])
-                else:  # created by warm-up: a fresh optimizer's state is zeros (Adam, SGD momentum)
-                    v.zero_()
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        if self.grad_scaler is not None:  # its tensors may first appear during warm-up
-            compat.reset_grad_scaler(self.grad_scaler, *self.scaler_state)
-
-
-class _CudaGraphs:
-    """Capture and replay with ``torch.cuda.CUDAGraph``; warm-up on a side stream, as torch's docs prescribe.
-
-    With ``priority`` the step is captured on a stream of the highest
-    priority. Stream 0 of every plan is the stream it is called on, and the
-    critical-path scheduler keeps the longest path there, so that path's
-    kernels (and the graph keeps each kernel's priority) win SMs over the side
-    streams', which have the default, lowest priority.
-    """
-
-    def __init__(self, priority: bool):
-        self.priority = priority
-        self._capture_stream: torch.cuda.Stream | None = None
-
-    @contextlib.contextmanager
-    def side_stream(self) -> Iterator[None]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            yield
-        torch.cuda.current_stream().wait_stream(side)
-
-    def capture(self, body: Callable[[], torch.Tensor], step: "TrainStep") -> tuple[Any, torch.Tensor]:
-        graph = torch.cuda.CUDAGraph()
-        if self.priority and self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
-        with torch.cuda.graph(graph, stream=self._capture_stream):
-            out = body()
-        return graph, out
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def failed(self) -> None:
-        torch.cuda.empty_cache()
-
-
-def _graph_runner(on_cuda: bool, priority: bool) -> _CudaGraphs | None:
-    """The capture machinery for these inputs: CUDA graphs, or None (eager). CPU tests swap in an emulation."""
-    return _CudaGraphs(priority) if on_cuda else None
-
-
-def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Set ``capturable=True`` where the optimizer has it (NAdam, RAdam, ...), moving step counters."""
-    for group in optimizer.param_groups:
-        if not all(p.is_cuda for p in group["params"]):  # capturable asserts CUDA (the CPU tests emulate graphs)
-            continue
-        if "capturable" in group and not group["capturable"]:
-            group["capturable"] = True
-            for p in group["params"]:
-                step = optimizer.state.get(p, {}).get("step")
-                if isinstance(step, torch.Tensor) and step.device != p.device:
-                    optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    for group in optimizer.param_groups:
-        if group.get("momentum", 0) and group.get("dampening", 0):
-            raise ValueError("train_step with cuda_graph=True does not support SGD dampening != 0: the "
-                             "captured step always takes the 'momentum buffer exists' branch, so the "
-                             "first step would differ from eager PyTorch. Use cuda_graph=False.")
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", id(value))  # read by the kernels where it lives, not baked as a float
-    if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value
+def _auto_configuration(*args: Any, **kwargs: Any) -> tuple[int, str, bool]:
+    """:func:`concur.training.auto.auto_configuration`, whose trials are built by :func:`train_step`."""
+    return auto_configuration(*args, make_step=train_step, **kwargs)
 
 
 class TrainStep:
@@ -234,13 +85,15 @@ class TrainStep:
                  compile_options: dict[str, Any] | None = None,
                  accumulate: int = 1, before_step: BeforeStep | None = None, stream_priority: bool = True,
                  split_weight_grads: bool | None = None):
-        self._arguments = (model, loss_fn, optimizer, example_batch, streams, cuda_graph, scheduler, max_graphs,
-                           warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
-                           stream_priority, split_weight_grads)
+        self._arguments = dict(model=model, loss_fn=loss_fn, optimizer=optimizer, example_batch=example_batch,
+                               streams=streams, cuda_graph=cuda_graph, scheduler=scheduler, max_graphs=max_graphs,
+                               warmup=warmup, compile=compile, amp_dtype=amp_dtype, grad_scaler=grad_scaler,
+                               compile_options=compile_options, accumulate=accumulate, before_step=before_step,
+                               stream_priority=stream_priority, split_weight_grads=split_weight_grads)
         self.stream_priority = stream_priority
         inputs, _ = example_batch
         self.compile_options = dict(compile_options or {})
-        self.split_weight_grads = _split_option(split_weight_grads, self.compile_options, compile, cuda_graph)
+        self.split_weight_grads = split_option(split_weight_grads, self.compile_options, compile, cuda_graph)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.requested_streams = streams
@@ -253,6 +106,7 @@ class TrainStep:
         self._example = _as_tuple(inputs)  # plans for other stream counts are built from it
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
+        self.failed_streams: set[int] = set()  # stream counts whose capture failed: not tried again
         self._module(streams)
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
@@ -268,44 +122,43 @@ class TrainStep:
                           "concurrent plan eagerly. Use SGD, Adam or AdamW (made fused=True "
                           "automatically) to keep the graph.", stacklevel=3)
             self.cuda_graph, self._runner = False, None
-        self._loads = [0]  # optimizer.load_state_dict calls
+        self._fingerprint = ModelFingerprint(model, optimizer)
         self._hyper: captured_optim.DeviceHyperparameters | None = None
         self._baked_reason = ""  # why hyperparameters are baked into graphs (and keyed on), if they are
         if self.cuda_graph:
-            _check_optimizer(optimizer)
+            check_optimizer(optimizer)
             reason = "it is stepped by a GradScaler" if self.grad_scaler is not None else \
                 captured_optim.unsupported_reason(optimizer)
             if reason is None:
                 self._hyper = captured_optim.DeviceHyperparameters(optimizer)
             else:
                 self._baked_reason = reason
-                _make_capturable(optimizer)
-            loads = self._loads
+                make_capturable(optimizer)
+            loads = self._fingerprint.loads
             optimizer.register_load_state_dict_post_hook(lambda opt: loads.__setitem__(0, loads[0] + 1))
-        _watch_registrations()
-        self._registrations = _REGISTRATIONS[0]
-        self._tree = self._walk()
-        self._tree_version = 0
         self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self._bound: _Captured | None = None
+        self._bound: Captured | None = None
         self._last_baked: tuple | None = None
-        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.eager_keys: set[tuple] = set()
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict:
-        """What a saved step keeps: its arguments (model, optimizer, ...) and its place in the accumulation cycle.
+        """What a saved step keeps: its arguments by name (model, optimizer, ...) and its place in the cycle.
 
         Captured graphs, compiled modules, streams and device-side hyperparameters belong to one
         process and device, and none of them can be pickled; a loaded step builds them again from
         its arguments, as a new ``train_step`` would (its first call captures).
         """
-        return {"arguments": self._arguments, "micro": self.micro}
+        return {"arguments": dict(self._arguments), "micro": self.micro}
 
     def __setstate__(self, state: dict) -> None:
+        arguments = state["arguments"]
+        if isinstance(arguments, tuple):  # saved before arguments were saved by name
+            arguments = dict(zip(_ARGUMENTS, arguments))
         with warnings.catch_warnings():  # the saved step warned about its setup already
             warnings.simplefilter("ignore")
-            self.__init__(*state["arguments"])
+            self.__init__(**arguments)
         self.micro = state["micro"]
 
     @property
@@ -375,19 +228,33 @@ class TrainStep:
             self._update(self.optimizer.step)
         return loss.detach()
 
+    def _optimized(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
     def _micro_step(self, module: nn.Module, inputs: tuple, targets: Any, phase: tuple[bool, bool],
-                    zero: list[torch.Tensor], optimizer_step: Callable[[], Any]) -> torch.Tensor:
-        """The captured body: the eager call with gradients zeroed in place (their buffers are the graph's)."""
+                    optimized: list[torch.Tensor], owned: dict[torch.Tensor, torch.Tensor] | None,
+                    optimizer_step: Callable[[], Any]) -> tuple[torch.Tensor, dict]:
+        """The captured body: the eager call, returning the loss and the gradient tensors the graph writes.
+
+        Without ``owned`` buffers the optimizer's gradients are set to None
+        first, so backward writes fresh ones (under capture: in the graph's
+        pool), as ``zero_grad(set_to_none=True)`` does in PyTorch's recipe.
+        With them (accumulation), a cycle's first call zeroes them in place.
+        """
         first, last = phase
-        if first and zero:
-            torch._foreach_zero_(zero)
+        if owned is None:
+            for p in optimized:
+                p.grad = None
+        elif first and owned:
+            torch._foreach_zero_([owned[p] for p in optimized if p in owned])
         loss = self._loss(module, inputs, targets)
         self._backward(loss)
         if last:
             self._update(optimizer_step)
+        grads = owned if owned is not None else {p: p.grad for p in optimized if p.grad is not None}
         # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
         # nodes alive, bound to this capture's stream, and a later capture would reuse them.
-        return loss.detach()
+        return loss.detach(), dict(grads)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         inputs = _as_tuple(inputs)
@@ -406,42 +273,18 @@ class TrainStep:
 
     # --- graphs --------------------------------------------------------------------------------
 
-    def _walk(self) -> tuple:
-        return tuple(self.model.modules()), tuple(self.model.parameters()), tuple(self.model.buffers())
-
     def _check_tree(self) -> None:
-        """After a registration anywhere, walk the model again; if its tree changed, rebuild the plans.
-
-        A plan traced before a submodule was replaced would still call the
-        old one, so the concurrent modules are rebuilt from the new tree.
-        """
-        if self._registrations == _REGISTRATIONS[0]:
-            return
-        self._registrations = _REGISTRATIONS[0]
-        tree = self._walk()
-        if any(len(a) != len(b) or any(x is not y for x, y in zip(a, b)) for a, b in zip(tree, self._tree)):
-            self._tree, self._tree_version = tree, self._tree_version + 1
+        """If the module tree changed (a submodule replaced), rebuild the plans: an old one would call the old module."""
+        if self._fingerprint.tree_changed():
             self.modules.clear()
             self.backends.clear()
 
     def _state_key(self) -> tuple:
-        """What a captured step depends on besides input shapes, read on every call (~50 us at 240 modules).
-
-        Parameter storages count too: ``model.to(...)`` or ``.half()`` after a capture keeps the
-        parameter objects but gives them new memory, which a replayed graph would never read.
-        """
-        modules, params, _ = self._tree
-        groups = self.optimizer.param_groups
-        return (self._tree_version, self._loads[0],
-                tuple([m.training for m in modules]), tuple([p.requires_grad for p in params]),
-                tuple([p.data_ptr() for p in params]),
-                tuple([(id(g["params"]), len(g["params"])) for g in groups]), self._hyperparameter_key())
+        """What a captured step depends on besides input shapes (:class:`ModelFingerprint`)."""
+        return self._fingerprint.state_key(self._hyperparameter_key())
 
     def _hyperparameter_key(self) -> tuple:
-        if self._hyper is not None:  # values are refreshed before each replay; only the code's shape counts
-            return captured_optim.structure(self.optimizer)
-        return tuple(tuple((k, _hashable(v)) for k, v in g.items() if k != "params")
-                     for g in self.optimizer.param_groups)
+        return hyperparameter_key(self.optimizer, device_values=self._hyper is not None)
 
     def _graph_call(self, inputs: tuple, targets: Any, phase: tuple[bool, bool]) -> torch.Tensor:
         key = (_signature(inputs, targets), phase, self._state_key())
@@ -476,7 +319,7 @@ class TrainStep:
                             "schedule that changes every step use SGD, Adam or AdamW without a GradScaler, whose "
                             "hyperparameters the graph reads from device tensors, or cuda_graph=False.")
 
-    def _gradients_into(self, captured: _Captured) -> None:
+    def _gradients_into(self, captured: Captured) -> None:
         """Carry gradients accumulated outside this graph (eager calls, another cycle position) into its buffers.
 
         A ``zero_grad()`` between micro-batches leaves None: the graph then
@@ -488,11 +331,19 @@ class TrainStep:
                 if g is not buf:
                     buf.copy_(g) if g is not None else buf.zero_()
 
-    def _bind_gradients(self, captured: _Captured) -> None:
-        """Point each ``p.grad`` at the buffer this graph accumulated into, as the plain loop's ``.grad``."""
+    def _bind_gradients(self, captured: Captured) -> None:
+        """Point each ``p.grad`` at the tensor this graph wrote, as the plain loop's ``.grad``.
+
+        Parameters of the optimizer that this graph's backward did not reach
+        show None, as after the plain loop's ``zero_grad(set_to_none=True)``.
+        """
         first = next(iter(captured.grads.items()), None)
         if self._bound is captured and (first is None or first[0].grad is first[1]):
             return
+        if self.accumulate == 1:
+            for p in self._optimized():
+                if p not in captured.grads:
+                    p.grad = None
         for p, buf in captured.grads.items():
             p.grad = buf
         self._bound = captured
@@ -501,15 +352,24 @@ class TrainStep:
         return self.max_graphs * min(self.accumulate, 3)  # first, middle and last position of a cycle
 
     def _capture_with_fallback(self, inputs: tuple, targets: Any, key: tuple,
-                               phase: tuple[bool, bool]) -> _Captured | None:
-        attempts = [self.requested_streams] + ([1] if self.requested_streams > 1 else [])
+                               phase: tuple[bool, bool]) -> Captured | None:
+        attempts = [s for s in dict.fromkeys([self.requested_streams, 1]) if s not in self.failed_streams]
         for streams in attempts:
             try:
                 captured = self._capture(inputs, targets, streams, phase)
             except Exception as exc:  # OOM or an op that cannot be captured
                 self._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                                "falling back to " + ("1 stream." if streams > 1 else "eager execution."))
+                                + ("falling back to 1 stream, for this and later input shapes." if streams > 1
+                                   else "falling back to eager execution."))
+                failed = True
+            else:
+                failed = False
+            if failed:  # outside the except block: its traceback no longer holds the failed capture's tensors
+                if streams > 1:  # free the module (and the compiled code) that cannot be captured
+                    self.failed_streams.add(streams)
+                    self.modules.pop(streams, None)
+                    self.backends.pop(streams, None)
                 self._runner.failed()
                 continue
             if len(self.graphs) >= self._graph_limit():
@@ -528,51 +388,73 @@ class TrainStep:
             buf = self._grad_buffers[p] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return buf
 
-    def _parameters_with_gradients(self, module: nn.Module, inputs: tuple, targets: Any) -> list[torch.Tensor]:
-        """The parameters one backward reaches (the plain loop's non-None ``.grad``): a probe, undone by the snapshot."""
+    def _backward_from_none(self, module: nn.Module, inputs: tuple, targets: Any) -> list[torch.Tensor]:
+        """One warm-up forward and backward from no gradients; returns the parameters it reached, gradients freed."""
         params = list(self.model.parameters())
+        optimized = set(self._optimized())
         for p in params:
-            p.grad = None
-        self._loss(module, inputs, targets).backward()
-        reached = [p for p in params if p.grad is not None]
+            if p in optimized:
+                p.grad = None
+        self._backward(self._loss(module, inputs, targets))
+        reached = [p for p in params if p.grad is not None and p in optimized]
         for p in reached:
             p.grad = None
         return reached
 
-    def _capture(self, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool]) -> _Captured:
+    def _capture(self, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool]) -> Captured:
+        """Warm up on the side stream, capture, and put back what warm-up changed.
+
+        The lean case (``accumulate=1``, the step's own update, no
+        ``before_step``) warms up forward and backward only, and the update on
+        one-element stand-ins, so it saves only buffers and RNG state.
+        Otherwise warm-up runs whole steps and the snapshot holds everything.
+        """
         module = self._module(streams)
         runner = self._runner
-        snapshot = _Snapshot(self.model, self.optimizer, self.grad_scaler)
+        fresh = self.accumulate == 1
+        lean = fresh and self._hyper is not None and self.before_step is None
+        optimized = set(self._optimized())
+        # parameters outside the optimizer keep accumulating, as in the plain loop: theirs are saved
+        others = [p for p in self.model.parameters() if p not in optimized and p.grad is not None]
+        snapshot = Snapshot(self.model, self.optimizer, weights=not lean, grad_scaler=self.grad_scaler,
+                            grads_of=others)
         clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
         static_inputs = tuple(clone(x) for x in inputs)
         static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
             type(targets)(clone(t) for t in targets)
         try:
             with runner.side_stream():
-                reached = self._parameters_with_gradients(module, static_inputs, static_targets)
-            # Allocated on the caller's stream, outside every graph: all graphs share them.
-            grads = {p: self._gradient_buffer(p) for p in reached}
-            for p, buf in grads.items():
-                p.grad = buf
-            optimized = [grads[p] for g in self.optimizer.param_groups for p in g["params"] if p in grads]
-            body = functools.partial(self._micro_step, module, static_inputs, static_targets, phase, optimized,
-                                     self._captured_optimizer_step(grads))
-            with runner.side_stream():
-                for _ in range(self.warmup):
-                    body()
-            graph, loss = runner.capture(body, self)
+                reached = self._backward_from_none(module, static_inputs, static_targets)
+                owned = None
+                if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
+                    owned = {p: self._gradient_buffer(p) for p in reached}
+                    for p, buf in owned.items():
+                        p.grad = buf
+                update = self._captured_optimizer_step(reached)
+                body = functools.partial(self._micro_step, module, static_inputs, static_targets, phase,
+                                         self._optimized(), owned, update)
+                if lean:
+                    for _ in range(self.warmup - 1):
+                        self._backward_from_none(module, static_inputs, static_targets)
+                    getattr(update, "warm_up", lambda: None)()
+                else:
+                    for _ in range(max(self.warmup - 1, 1)):  # at least one step: optimizers make state lazily
+                        body()
+            if fresh:
+                for p in optimized:  # free warm-up's gradients before capture, for the graph's own
+                    p.grad = None
+            graph, (loss, grads) = runner.capture(body, self)
         finally:
             snapshot.restore()
             runner.synchronize()
-        return _Captured(graph, static_inputs, static_targets, loss, streams, grads)
+        return Captured(graph, static_inputs, static_targets, loss, streams, grads)
 
-    def _captured_optimizer_step(self, grads: dict[torch.Tensor, torch.Tensor]) -> Callable[[], Any]:
+    def _captured_optimizer_step(self, reached: list[torch.Tensor]) -> Callable[[], Any]:
         """The update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
         if self._hyper is None:
             return self.optimizer.step
-        self._hyper.sync_groups()
         compat.note_optimizer_stepped(self.optimizer)
-        return captured_optim.build_update(self.optimizer, self._hyper, grads)
+        return captured_optim.build_update(self.optimizer, self._hyper, reached)
 
 
 def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_batch: tuple,
@@ -658,89 +540,12 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     ``max_graphs`` bounds the cached graphs per position of the accumulation
     cycle (least recently used are evicted).
     """
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-    if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
-        raise TypeError("example_batch must be a pair (inputs, targets)")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"accumulate must be a positive int (micro-batches per optimizer step), got {accumulate!r}")
-    if before_step is not None and not callable(before_step):
-        raise TypeError(f"before_step must be callable as before_step(model, optimizer), got {before_step!r}")
+    check_arguments(example_batch, grad_scaler, accumulate, before_step)
     if streams == "auto":
         streams, scheduler, cuda_graph = _auto_configuration(
             model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype,
             compile_options)
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-        raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
-    if compile_options and not compile:
-        raise ValueError("compile_options are options of the torch.compile backend: pass compile=True too")
+    check_streams(streams, compile, compile_options)
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
                      max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
                      stream_priority, split_weight_grads)
-
-
-def _split_option(split_weight_grads: bool | None, compile_options: dict[str, Any], compile: bool,
-                  cuda_graph: bool) -> bool:
-    """Return whether weight gradients are split: the argument, else ``compile_options``' value, else the default.
-
-    The default is True except for an unfused step run eagerly, which would pay the split's host time each step.
-
-    On the fused path the argument goes into ``compile_options``, as the backend's option of that name.
-    """
-    given = compile_options.get("split_weight_grads")
-    if split_weight_grads is not None and given is not None and bool(given) != split_weight_grads:
-        raise ValueError(f"concur.train_step: split_weight_grads={split_weight_grads} contradicts "
-                         f"compile_options['split_weight_grads']={given}; compile_options are options of the "
-                         "torch.compile backend, and this one is an argument of train_step too: pass it once")
-    default = compile or cuda_graph
-    value = split_weight_grads if split_weight_grads is not None else (default if given is None else bool(given))
-    if compile and given is None and split_weight_grads is not None:
-        compile_options["split_weight_grads"] = value
-    return value
-
-
-def _auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
-                        example_batch: tuple, scheduler: str, cuda_graph: bool, compile: bool,
-                        amp_dtype: torch.dtype | None = None,
-                        compile_options: dict[str, Any] | None = None) -> tuple[int, str, bool]:
-    """Return (streams, scheduler, cuda_graph) for ``streams="auto"``: measured on a GPU, predicted elsewhere.
-
-    The trials run in the step's precision (bf16 kernels are shorter and leave
-    more room for streams); a GradScaler is left out of them: it changes no
-    kernel that matters for timing, and trials must not move the user's scale.
-    With ``compile`` every trial compiles, so the climb tries the given
-    scheduler only, up to :data:`_COMPILED_MAX_STREAMS` streams, and stops at
-    the first stream count that is not measurably faster than the best so far.
-    """
-    on_cuda = any(t.is_cuda for t in tensors_in(example_batch[0])) and torch.cuda.is_available()
-    if on_cuda:
-        from concur.observe.tuner import tune_train_step
-
-        kwargs: dict[str, Any] = {} if amp_dtype is None else {"amp_dtype": amp_dtype}
-        if compile:
-            kwargs.update(compile=True, schedulers=(scheduler,), max_streams=_COMPILED_MAX_STREAMS,
-                          budget_s=_COMPILED_TUNE_BUDGET_S, probe_utilization=False)
-            if compile_options:
-                kwargs["compile_options"] = dict(compile_options)
-        chosen = tune_train_step(model, loss_fn, optimizer, example_batch, make_step=train_step, **kwargs).config
-        if chosen.streams == 1:
-            log.info("concur.train_step: streams='auto' keeps one stream for %s: no configuration with more "
-                     "streams was measured faster than the serial graph", type(model).__name__)
-        return chosen.streams, chosen.scheduler, cuda_graph and chosen.cuda_graph
-    streams = _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler)
-    if streams == 1:
-        log.info("concur.train_step: streams='auto' keeps one stream for %s: no plan with more streams is "
-                 "predicted faster (kernels sharing the device)", type(model).__name__)
-    return streams, scheduler, cuda_graph
-
-
-# streams="auto" with compile=True: each trial compiles (inductor's cache serves the repeated graphs)
-_COMPILED_MAX_STREAMS = 4
-_COMPILED_TUNE_BUDGET_S = 600.0
-
-
-def _predicted_stream_count(model: nn.Module, inputs: tuple, scheduler: str) -> int:
-    """Fewest streams reaching 97% of the best predicted speedup of the unfused plan."""
-    speedups = api.inspect(model, inputs, scheduler=scheduler).predicted_speedup
-    best = max(speedups.values())
-    return min(k for k, v in speedups.items() if v >= 0.97 * best)

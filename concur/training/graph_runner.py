@@ -1,0 +1,79 @@
+"""Capture and replay of whole training steps with ``torch.cuda.CUDAGraph``, as torch's docs prescribe.
+
+One runner serves all graphs of a step: its warm-up runs on one side
+stream (so the cached blocks of one warm-up serve the next), and its graphs
+share one memory pool (``torch.cuda.graph(pool=...)``). Sharing is safe
+because a step replays its graphs one at a time on one stream, and each
+graph's outputs (loss, gradients) stay referenced by its ``Captured`` for as
+long as the graph lives, so no later capture is handed their memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+# torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
+HIGHEST_PRIORITY = -100
+
+
+@dataclass
+class Captured:
+    """One captured step: its graph, the static tensors it reads and writes, and how many streams it runs on."""
+
+    graph: Any  # torch.cuda.CUDAGraph, or the CPU tests' emulation
+    static_inputs: tuple
+    static_targets: Any
+    static_loss: torch.Tensor
+    streams: int
+    grads: dict = field(default_factory=dict)  # parameter -> the gradient tensor the graph writes
+
+
+class CudaGraphRunner:
+    """Warm-up on one side stream, capture into one shared pool.
+
+    With ``priority`` the step is captured on a stream of the highest
+    priority. Stream 0 of every plan is the stream it is called on, and the
+    critical-path scheduler keeps the longest path there, so that path's
+    kernels (and the graph keeps each kernel's priority) win SMs over the side
+    streams', which have the default, lowest priority.
+    """
+
+    def __init__(self, priority: bool):
+        self.priority = priority
+        self._capture_stream: torch.cuda.Stream | None = None
+        self._side: torch.cuda.Stream | None = None
+        self._pool: Any = None
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            yield
+        torch.cuda.current_stream().wait_stream(self._side)
+
+    def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        if self.priority and self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+            out = body()
+        return graph, out
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def failed(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def graph_runner(on_cuda: bool, priority: bool) -> CudaGraphRunner | None:
+    """The capture machinery for these inputs: CUDA graphs, or None (eager). CPU tests swap in an emulation."""
+    return CudaGraphRunner(priority) if on_cuda else None
