@@ -8,6 +8,12 @@ different parts are never divided by each other. Ratios are compile + graph's
 step time over the variant's (above 1: the variant is faster), and the
 variant's peak memory and setup (compile and capture) time over compile +
 graph's.
+
+"Compile + graph" is the sweep's mode ``compile_graph``: concur's own step on
+one stream (``train_step(compile=True, streams=1)``), concur's backend and
+capture. It is not PyTorch's recipe; the ratios against that, written without
+concur in experiments/peers.py, are issue 28's (experiments/bench28.sh, the
+sweep's ``peer_compile_graph`` mode and its summary.md).
 """
 
 from __future__ import annotations
@@ -18,14 +24,14 @@ from pathlib import Path
 
 from experiments.sweep.rows import read_rows
 
-BASE = "compile_graph"
+BASE = "compile_graph"  # concur's own one-stream step, as issue 22 measured against it (not the peer recipe)
 VARIANTS = ("fused:4", "fused_noprio:4", "fused_nosplit:4", "fused_gate105:4", "fused_ordered:4")
 # the other variants' columns: (mode, header, what to print of it)
 OTHER_COLUMNS = (("fused_noprio:4", "no priority", "speedup"), ("fused_nosplit:4", "no split", "speedup"),
                  ("fused_gate105:4", "gate 1.05", "speedup"), ("fused_ordered:4", "ordered reuse", "speedup"),
                  ("fused_ordered:4", "its memory", "memory"))
 
-# issue 22's targets for concur fused (bf16) against torch.compile + whole-step graph, by (model, batches)
+# issue 22's targets for concur fused (bf16) against compile_graph (concur's one-stream step), by (model, batches)
 TARGETS = {("googlenet", (8,)): 1.35, ("googlenet", (64, 128)): 1.12, ("inception_v3", (8,)): 1.30,
            ("inception_v3", (64, 128)): 1.10, ("resnet50", (8, 32)): 1.05, ("resnet50", (64, 128)): 1.02,
            ("torchvision:vit_b_16", (32, 64)): 1.03, ("timm:dla34", (8,)): 1.10,

@@ -18,6 +18,7 @@ from experiments.sweep import children, measure, report
 from experiments.sweep.bounds import NODE_RANGE, critical_path_bound
 from experiments.sweep.cli import main
 from experiments.sweep.configs import config_key, group_configs, make_configs
+from experiments.sweep.memory import FIELDS as MEMORY_FIELDS
 from experiments.sweep.rows import read_rows
 from experiments.sweep_models import BranchyNet, build
 
@@ -56,6 +57,8 @@ def test_cuda_modes_are_skipped_and_measured_modes_have_times(smoke_run):
     for mode in ("eager", "eager_streams:2"):
         r = rows[f"branchy:2x8|2|fp32|{mode}"]
         assert r["status"] == "ok" and r["ms"] > 0 and r["setup_s"] >= 0
+        # the memory peaks, allocated and reserved, setup and steady: every row has them, None without CUDA
+        assert all(field in r and r[field] is None for field in MEMORY_FIELDS), r
     streams = rows["branchy:2x8|2|fp32|eager_streams:2"]
     # two branches: contention can only lower the ideal prediction, and neither beats 2x
     assert streams["streams_requested"] == 2 and 1.0 < streams["predicted_speedup"] <= streams["ideal_speedup"] <= 2.0
@@ -559,3 +562,35 @@ def test_the_mode_table_puts_every_mode_side_by_side():
     assert lines[5] == "| g | bf16 | 8 | 20.00 | 3.00 | 2.50 | 1.20x (fused:4 / compile_graph) |"
     assert lines[6] == "| g | bf16 | 64 | - | 9.00 | error |  |"
     assert report.mode_table_markdown([]) == []
+
+
+def test_memory_peaks_count_from_the_modes_own_start_and_not_the_other_modes(monkeypatch):
+    """Setup: peaks beyond what was held before it. Steady: held after setup + the largest rise over timed steps."""
+    from experiments.sweep.memory import MemoryPeaks
+
+    mb = 2**20
+    state = dict(allocated=1000 * mb, reserved=2000 * mb, max_allocated=0, max_reserved=0)
+
+    def reset():
+        state.update(max_allocated=state["allocated"], max_reserved=state["reserved"])
+
+    for name, fn in dict(synchronize=lambda: None, empty_cache=lambda: None, reset_peak_memory_stats=reset,
+                         memory_allocated=lambda: state["allocated"], memory_reserved=lambda: state["reserved"],
+                         max_memory_allocated=lambda: state["max_allocated"],
+                         max_memory_reserved=lambda: state["max_reserved"]).items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    memory, row = MemoryPeaks(cuda=True), {}
+    memory.begin_setup()
+    state.update(max_allocated=1500 * mb, max_reserved=3000 * mb, allocated=1200 * mb, reserved=2500 * mb)
+    memory.end_setup(row)
+    assert (row["setup_peak_allocated_mb"], row["setup_peak_reserved_mb"], row["peak_mb"]) == (500, 1000, 500)
+    state.update(allocated=1700 * mb, reserved=3300 * mb)  # another mode of the child set up meanwhile
+    for rise in (150, 200, 100):  # three rounds of timed steps
+        memory.begin_steps()
+        state.update(max_allocated=(1700 + rise) * mb, max_reserved=(3300 + rise // 2) * mb)
+        memory.end_steps()
+    memory.record_steady(row)
+    assert (row["steady_peak_allocated_mb"], row["steady_peak_reserved_mb"]) == (200 + 200, 500 + 100)
+    without = {}
+    MemoryPeaks(cuda=False).end_setup(without)
+    assert without == {}

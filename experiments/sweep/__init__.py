@@ -9,13 +9,19 @@ r"""Sweep models x batch sizes x precisions x modes; one subprocess per configur
 
 Modes (``:K`` is a stream count, ``auto`` lets ``train_step`` choose):
 
+    peer_eager          PyTorch's recipes, written without concur in experiments/peers.py: the plain
+    peer_compile        loop; the loop around torch.compile; the whole-network capture of PyTorch's
+    peer_eager_graph    CUDA-graph docs; that capture around torch.compile. The baselines: the report
+    peer_compile_graph  divides fused modes by peer_compile_graph, serial_graph and concur_graph by
+                        peer_eager_graph, eager_streams by peer_eager, where the run has the peer's row
     eager               the plain loop (zero_grad, forward under autocast, backward, step)
     eager_streams:K     concur's plan on K streams without a graph (train_step, cuda_graph=False)
-    serial_graph        whole-step CUDA graph, one stream (train_step streams=1)
+    serial_graph        concur's own unfused step on one stream, captured whole (train_step streams=1)
     concur_graph:K      whole-step CUDA graph with K streams; concur_graph:auto uses streams="auto"
     concur_graph_nosplit:K  concur_graph with split_weight_grads=False (weight gradients in the layers' nodes)
     compile             torch.compile(model) in the plain loop
-    compile_graph       torch.compile + whole-step CUDA graph (train_step streams=1, compile=True)
+    compile_graph       concur's own compiled step on one stream, captured whole (train_step streams=1,
+                        compile=True): concur's backend and capture, not PyTorch's recipe (peer_compile_graph)
     reduce_overhead     torch.compile(model, mode="reduce-overhead") in the plain loop, with
                         torch.compiler.cudagraph_mark_step_begin() before each step
     fused:K             concur's torch.compile backend on K streams + whole-step graph, with its
@@ -48,6 +54,10 @@ alone on the GPU (a file lock).
 At the end ``summary.md`` and PNG plots are
 written; each names the date, GPU, driver and torch version.
 Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
+Every row that ran records its peak memory, allocated and reserved, over its
+setup and over its timed steps (``setup_peak_allocated_mb``,
+``setup_peak_reserved_mb``, ``steady_peak_allocated_mb``,
+``steady_peak_reserved_mb``; ``peak_mb`` = the first, as older rows name it).
 """
 
 # One job per module:
@@ -55,6 +65,7 @@ Modes needing CUDA are recorded as "skipped: no CUDA" on a machine without one.
 #   children.py  the parent: children in subprocesses, in memory waves, taking turns on the GPU (GpuTurn)
 #   measure.py   inside a child: set each mode up, time it, describe it, print its row
 #   timing.py    the timed steps of a child: CUDA events (wall clock on CPU), rounds in turns, NVML
+#   memory.py    a mode's peak memory, allocated and reserved, over its setup and its timed steps
 #   bounds.py    the critical-path bound from a profiler trace of the forward pass, node by node
 #   rows.py      results.jsonl and the meta (date, GPU, versions) every row carries
 #   report.py    summary.md and the plots

@@ -9,14 +9,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ALL_MODES = ("eager", "eager_streams:4", "serial_graph", "concur_graph:2", "concur_graph:4", "concur_graph:auto",
-             "compile", "compile_graph", "reduce_overhead", "fused:4", "critical_path")
+ALL_MODES = ("eager", "eager_streams:4", "peer_eager_graph", "serial_graph", "concur_graph:2", "concur_graph:4",
+             "concur_graph:auto", "compile", "peer_compile_graph", "compile_graph", "reduce_overhead", "fused:4",
+             "critical_path")
+# PyTorch's own recipes, built by experiments/peers.py (which imports nothing of concur): the baselines
+PEER_MODES = ("peer_eager", "peer_compile", "peer_eager_graph", "peer_compile_graph")
 FUSED_MODES = ("fused", "fused_fresh", "fused_reuse", "fused_ordered", "fused_nosplit", "fused_prio", "fused_noprio",
                "fused_gate105")
 CUDA_MODES = ("serial_graph", "concur_graph", "concur_graph_nosplit", "compile_graph", "reduce_overhead", *FUSED_MODES,
-              "critical_path")
+              "critical_path", "peer_eager_graph", "peer_compile_graph")
 CONCUR_MODES = ("eager_streams", "concur_graph", "concur_graph_nosplit", *FUSED_MODES)  # the rest: a user has
-COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES)  # a child each
+# concur's own step on one stream (train_step streams=1): a row of its own, not PyTorch's recipe
+CONCUR_ONE_STREAM_MODES = ("serial_graph", "compile_graph")
+COMPILING_MODES = ("compile", "compile_graph", "reduce_overhead", *FUSED_MODES, "peer_compile",
+                   "peer_compile_graph")  # a child each
+# the peer recipe each mode's ratios divide by, where the run has its row (report.peer_ratios)
+PEER_OF = {"eager_streams": "peer_eager", "serial_graph": "peer_eager_graph", "concur_graph": "peer_eager_graph",
+           "concur_graph_nosplit": "peer_eager_graph", "compile_graph": "peer_compile_graph",
+           **{kind: "peer_compile_graph" for kind in FUSED_MODES}}
 # the backend's options per fused mode (None: concur.backend's defaults); fused_noprio differs in train_step
 FUSED_OPTIONS = {"fused": None, "fused_fresh": {"buffer_reuse": False}, "fused_reuse": {"buffer_reuse": True},
                  "fused_ordered": {"buffer_reuse": "ordered"}, "fused_nosplit": {"split_weight_grads": False},

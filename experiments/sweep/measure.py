@@ -11,14 +11,15 @@ import os
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from experiments.sweep.bounds import critical_path_bound, profile_plan_nodes
 from experiments.sweep.children import GpuTurn
 from experiments.sweep.configs import (CHANNELS_LAST_PRECISIONS, COMPILING_MODES, CONCUR_MODES, CUDA_MODES,
-                                       FUSED_MODES, FUSED_OPTIONS, config_key, file_stem, mode_kind)
+                                       FUSED_MODES, FUSED_OPTIONS, PEER_MODES, config_key, file_stem, mode_kind)
+from experiments.sweep.memory import FIELDS as MEMORY_FIELDS, MemoryPeaks
 from experiments.sweep.rows import run_meta
 from experiments.sweep.timing import time_in_turns, time_steps
 
@@ -29,10 +30,11 @@ class PreparedMode:
 
     row: dict
     step_fn: Callable[[], None]
-    train_step: Any  # concur's TrainStep, or None for the plain-loop modes
+    train_step: Any  # concur's TrainStep, or None for the plain-loop and peer modes
     model: Any
     x: Any
     cuda: bool
+    memory: MemoryPeaks = field(default_factory=lambda: MemoryPeaks(cuda=False))
 
 
 def _streams_arg(mode: str) -> int | str:
@@ -42,7 +44,8 @@ def _streams_arg(mode: str) -> int | str:
 
 def _start_row(cfg: dict) -> dict:
     """The row of a configuration, before anything ran."""
-    row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok", peak_mb=None)
+    row = dict(cfg, key=config_key(cfg), started=time.time(), status="ok", peak_mb=None,
+               **dict.fromkeys(MEMORY_FIELDS))
     row.pop("fail", None)
     return row
 
@@ -88,10 +91,11 @@ def _critical_path_row(row: dict, cfg: dict, model: Any, x: Any, amp_dtype: Any)
 def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: Any) -> PreparedMode:
     """Build the mode's step function, run its first step (the compile or capture: ``setup_s``), warm up.
 
-    ``peak_mb`` is the allocator's peak over those steps beyond what was
-    allocated before them: a step allocates the same every time, and a CUDA
-    graph's pool is filled by its capture (reduce-overhead's within the
-    warm-up steps).
+    The setup's memory peaks, allocated and reserved, are the allocator's over
+    those steps beyond what was held before them (:mod:`experiments.sweep.memory`;
+    ``peak_mb`` is the allocated one, the name older rows have): a step
+    allocates the same every time, and a CUDA graph's pool is filled by its
+    capture (reduce-overhead's within the warm-up steps).
     """
     import torch
     import torch.nn as nn
@@ -102,12 +106,9 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     loss_fn = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # foreach on CUDA: torch's default step
+    memory = MemoryPeaks(cuda)
+    memory.begin_setup()
     t0 = time.perf_counter()
 
     def plain_loop(module: nn.Module, mark_step: bool = False) -> Callable[[], None]:
@@ -128,7 +129,13 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
             return plain_loop(torch.compile(model)), None
         if kind == "reduce_overhead":
             return plain_loop(torch.compile(model, mode="reduce-overhead"), mark_step=True), None
-        # every concur path goes through train_step, as experiments/bench_train.py does
+        if kind in PEER_MODES:  # PyTorch's recipe as a user writes it, without concur: the baseline
+            from experiments import peers
+
+            peer = peers.RECIPES[kind.removeprefix("peer_")](model, loss_fn, opt, (x, y), amp_dtype)
+            return (lambda: peer(x, y)), None
+        # every concur path goes through train_step, as experiments/bench_train.py does; serial_graph and
+        # compile_graph are concur's own step on one stream, not PyTorch's recipe (the peer_* modes are)
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
                                  compile=kind == "compile_graph" or kind in FUSED_MODES, amp_dtype=amp_dtype,
@@ -149,10 +156,8 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
         row["compile_phases_s"] = compile_phases_s()
     for _ in range(cfg.get("warmup", 5)):  # reduce-overhead records its graphs in the first few steps
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-        row["peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-    return PreparedMode(row, fn, step, model, x, cuda)
+    memory.end_setup(row)
+    return PreparedMode(row, fn, step, model, x, cuda, memory)
 
 
 def describe_mode(p: PreparedMode) -> dict:
@@ -208,7 +213,10 @@ def run_one(cfg: dict) -> dict:
     turn.shared()  # with --compile-jobs N: compile and capture beside other children, time alone
     prepared = prepare_mode(cfg, row, model, x, y, amp_dtype)
     turn.exclusive()  # no other child's compile or capture runs kernels beside the timed steps
+    prepared.memory.begin_steps()
     time_steps(row, cfg, prepared.step_fn, cuda)
+    prepared.memory.end_steps()
+    prepared.memory.record_steady(row)
     turn.release()
     return _describe_keeping_the_timing(prepared)
 

@@ -11,7 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.sweep.configs import ALL_MODES, CONCUR_MODES, file_stem, mode_kind
+from experiments.sweep.configs import (ALL_MODES, CONCUR_MODES, CONCUR_ONE_STREAM_MODES, PEER_MODES, PEER_OF,
+                                       file_stem, mode_kind)
+
+# (row field, column header) of the memory peaks the peer table divides; peak_mb stands in for the
+# setup's allocated peak in rows made before the others were recorded
+MEMORY_COLUMNS = (("setup_peak_allocated_mb", "setup alloc"), ("setup_peak_reserved_mb", "setup reserved"),
+                  ("steady_peak_allocated_mb", "steady alloc"), ("steady_peak_reserved_mb", "steady reserved"))
 
 
 def meta_line(meta: dict) -> str:
@@ -19,21 +25,74 @@ def meta_line(meta: dict) -> str:
     return f"{meta['date']}, {meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}"
 
 
-def best_speedups(rows: list[dict]) -> list[dict]:
-    """Per (model, precision, batch): best concur mode time, best alternative, and their ratio."""
-    out = []
+def memory_mb(row: dict, field: str) -> float | None:
+    """Return one of a row's memory peaks (MB); ``peak_mb`` for the setup's allocated one in older rows."""
+    value = row.get(field)
+    if value is None and field == "setup_peak_allocated_mb":
+        value = row.get("peak_mb")
+    return value
+
+
+def _ok_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """The timed rows that ran, per (model, precision, batch)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("status") == "ok" and r.get("ms"):
             groups.setdefault((r["model"], r["precision"], r["batch"]), []).append(r)
-    for (model, precision, batch), rs in sorted(groups.items()):
+    return groups
+
+
+def best_speedups(rows: list[dict]) -> list[dict]:
+    """Per (model, precision, batch): best concur mode time, best alternative, and their ratio.
+
+    Where the run has a peer row (PyTorch's recipe, experiments/peers.py) for
+    the point, concur's own one-stream steps (serial_graph, compile_graph) are
+    no alternative: the alternatives are what a user has without concur.
+    """
+    out = []
+    for (model, precision, batch), rs in sorted(_ok_groups(rows).items()):
         ours = [r for r in rs if mode_kind(r["mode"]) in CONCUR_MODES]
-        alts = [r for r in rs if mode_kind(r["mode"]) not in CONCUR_MODES]
+        has_peer = any(r["mode"] in PEER_MODES for r in rs)
+        alts = [r for r in rs if mode_kind(r["mode"]) not in CONCUR_MODES
+                and not (has_peer and r["mode"] in CONCUR_ONE_STREAM_MODES)]
         if ours and alts:
             o, a = min(ours, key=lambda r: r["ms"]), min(alts, key=lambda r: r["ms"])
             out.append(dict(model=model, precision=precision, batch=batch, concur_mode=o["mode"], concur_ms=o["ms"],
                             best_alternative=a["mode"], alternative_ms=a["ms"], speedup=a["ms"] / o["ms"]))
     return out
+
+
+def peer_ratios(rows: list[dict]) -> list[dict]:
+    """Per row with a peer (``PEER_OF``) that ran at its point: the peer's step time over its, and memory ratios.
+
+    ``speedup`` above 1: the mode is faster than PyTorch's recipe. The memory
+    ratios (``<field>_ratio``, for each of ``MEMORY_COLUMNS``) and ``setup_ratio``
+    are the mode's over the peer's: below 1, it needs less; no setup ratio where
+    either compiled with the caches of an earlier mode of its child. ``together``
+    says whether the two were timed in turns in one child (``--together``).
+    """
+    def warm(r: dict) -> bool:
+        return str(r.get("compile_cache", "")).startswith("warm")
+
+    out = []
+    for (model, precision, batch), rs in sorted(_ok_groups(rows).items()):
+        by_mode = {r["mode"]: r for r in rs}
+        for r in sorted(rs, key=lambda r: r["mode"]):
+            peer = by_mode.get(PEER_OF.get(mode_kind(r["mode"]), ""))
+            if peer is None:
+                continue
+            entry = dict(model=model, precision=precision, batch=batch, mode=r["mode"], peer=peer["mode"],
+                         peer_ms=peer["ms"], ms=r["ms"], speedup=peer["ms"] / r["ms"],
+                         together=peer["mode"] in (r.get("timed_with") or []),
+                         setup_ratio=None if warm(r) or warm(peer) else _ratio(r.get("setup_s"), peer.get("setup_s")))
+            for field, _ in MEMORY_COLUMNS:
+                entry[field + "_ratio"] = _ratio(memory_mb(r, field), memory_mb(peer, field))
+            out.append(entry)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def bound_rows(rows: list[dict]) -> list[dict]:
@@ -95,6 +154,30 @@ def mode_table_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def peer_table_markdown(rows: list[dict]) -> list[str]:
+    """Each mode against PyTorch's recipe (``peer_ratios``): time, setup and memory ratios side by side."""
+    entries = peer_ratios(rows)
+    if not entries:
+        return []
+    num = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
+    lines = ["", "## Against PyTorch's own recipe (experiments/peers.py)", "",
+             "The baseline is the peer: PyTorch's documented step, written without concur. Fused modes and "
+             "concur's compiled one-stream step (compile_graph) are divided by peer_compile_graph (torch.compile "
+             "+ the docs' whole-network CUDA-graph capture); serial_graph and concur_graph by peer_eager_graph "
+             "(the capture alone). Speedup: the peer's step time over the mode's (above 1: faster). Setup and "
+             "memory: the mode's over the peer's (below 1: less); no setup ratio where a compile reused the caches "
+             "of an earlier mode in its child. Not together: the two were timed in different children.", "",
+             "| model | precision | batch | mode | peer | peer ms | ms | speedup | setup | "
+             + " | ".join(header for _, header in MEMORY_COLUMNS) + " |", "|---|---|---|---|---|---|---|---|---|"
+             + "---|" * len(MEMORY_COLUMNS)]
+    for e in entries:
+        lines.append(f"| {e['model']} | {e['precision']} | {e['batch']} | {e['mode']} | {e['peer']}"
+                     f"{'' if e['together'] else ' (not together)'} | {e['peer_ms']:.2f} | {e['ms']:.2f} | "
+                     f"{e['speedup']:.3f}x | {num(e['setup_ratio'])} | "
+                     + " | ".join(num(e[field + '_ratio']) for field, _ in MEMORY_COLUMNS) + " |")
+    return lines
+
+
 def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
     """Return the Markdown summary: every configuration, the speedups, the bounds, the failures."""
     lines = [f"# Sweep: {meta_line(meta)}", "",
@@ -108,19 +191,27 @@ def summary_markdown(rows: list[dict], meta: dict, plots: list[str]) -> str:
         lines += ["Combined from these runs (`--combine`; the later wins where both measured a configuration):", "",
                   *[f"- `{src}`: {len(rs)} rows, {' + '.join(sorted({str(r.get('date')) for r in rs}))}"
                     for src, rs in sources.items()], ""]
-    lines += ["| model | precision | batch | mode | status | ms (iqr) | setup s | peak MB | util % | predicted |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["Peak memory in MB beyond what the process held before the mode's setup, allocated / reserved, "
+              "over the setup (build, compile or capture, warm-up) and over the timed steps (steady).", "",
+              "| model | precision | batch | mode | status | ms (iqr) | setup s | setup MB | steady MB | util % "
+              "| predicted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+
+    def pair(r: dict, allocated: str, reserved: str) -> str:
+        a, res = memory_mb(r, allocated), memory_mb(r, reserved)
+        return "" if a is None and res is None else f"{num(a, '.0f') or '-'} / {num(res, '.0f') or '-'}"
     for r in sorted(rows, key=lambda r: (r["model"], r["precision"], r["batch"], r["mode"])):
         status = r.get("status", "")
         ms = f"{r['ms']:.2f} ({r['iqr_ms']:.2f})" if r.get("ms") else ""
         lines.append(f"| {r['model']} | {r['precision']} | {r['batch']} | {r['mode']} | {status} | {ms} | "
                      f"{num(r.get('setup_s'), '.1f')}{'*' if r.get('compile_jobs') else ''} | "
-                     f"{num(r.get('peak_mb'), '.0f')} | "
+                     f"{pair(r, 'setup_peak_allocated_mb', 'setup_peak_reserved_mb')} | "
+                     f"{pair(r, 'steady_peak_allocated_mb', 'steady_peak_reserved_mb')} | "
                      f"{num(r.get('util_percent'), '.0f')} | {num(r.get('predicted_speedup'), '.2f')} |")
     if any(r.get("compile_jobs") for r in rows):
         lines += ["", "\\* compiled beside other configurations (`--compile-jobs`): not a lone compile time; "
                   "step times were measured alone."]
+    lines += peer_table_markdown(rows)
     lines += mode_table_markdown(rows)
     best = best_speedups(rows)
     if best:

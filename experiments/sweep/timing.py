@@ -2,6 +2,8 @@
 
 Each row gets the median step time and its interquartile range, both from
 :mod:`concur.observe.timing`, and the GPU's utilization over the timed steps.
+Modes timed in turns get their steady memory peaks here too, one stretch of
+steps at a time (:mod:`experiments.sweep.memory`).
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ def time_in_turns(prepared: list[PreparedMode], cfg: dict) -> None:
     times: list[list[float]] = [[] for _ in prepared]
     for _ in range(rounds):
         for i, p in enumerate(prepared):
+            p.memory.begin_steps()  # each mode's stretch: its steady peak is the largest rise over one
             times[i] += (cuda_times_ms if p.cuda else wall_times_ms)(p.step_fn, rewarm, per_round)
+            p.memory.end_steps()
     for p, ts in zip(prepared, times):
         p.row["ms"], p.row["iqr_ms"] = median_and_iqr(ts)
         p.row["rounds"] = rounds
+        p.memory.record_steady(p.row)
         if p.cuda:  # NVML samples every ~200 ms: each mode steps alone for a while for its utilization
             _under_nvml(p.row, cfg, p.step_fn, max(cfg.get("util_seconds", 0.0), 1.0))
         else:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 28's benchmark on the device: concur against PyTorch's own recipes, written without concur in
+# experiments/peers.py (the sweep's peer_* modes), each set timed in turns in one child, with the memory
+# peaks (setup and steady, allocated and reserved) beside the times. As bench22.sh: several sweeps side by
+# side over one run directory, compiling in parallel and taking turns to time (one GPU lock).
+#   bash experiments/bench28.sh RUN_DIR PART    (PART: a to f, below; each within ~9 minutes on one H100)
+# Packs RUN_DIR to $OUT/bench.tgz. RUN_DIR/summary.md holds the table against the peer.
+#   a  bf16  googlenet inception_v3 resnet50, b8 b64: peer_compile_graph, compile_graph, fused:4
+#   b  bf16  the same points unfused: peer_eager_graph, serial_graph, concur_graph:4
+#   c  fp32  part a
+#   d  bf16  timm hrnet_w18_small, dla34, inception_v4 at b8: part a's modes. Inception-v4's compile_graph
+#            runs in a child of its own (three of its compiles in one child take over 9 minutes), so its
+#            ratio to the peer is not timed in turns; fused:4 and the peer are
+#   e  bf16  torchvision:vit_b_16 b32 b64, and the three CNNs of part a at b32: part a's modes
+#   f  bf16  the three CNNs at b128: part a's modes (apart from e: together they would not fit in 80 GB)
+# Every --together set names the peer first: it compiles cold, as a user's first run would; the concur
+# modes after it reuse its caches (their rows say so), so the summary gives no setup ratio for them.
+set -uo pipefail
+dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+left=$(( ${DEADLINE:-570} - SECONDS - 30 ))
+fused_modes="peer_compile_graph compile_graph fused:4"; fused_set=peer_compile_graph+compile_graph+fused:4
+unfused_modes="peer_eager_graph serial_graph concur_graph:4"; unfused_set=peer_eager_graph+serial_graph+concur_graph:4
+groups=()
+# timeout leads a process group of the sweep and its children: on the deadline it ends them all
+sweep() { timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume --precisions bf16 --repeats 30 \
+            --rounds 5 "$@" >> "$OUT/bench_$part.log" 2>&1 &
+          groups+=($!); }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+case $part in
+  a) sweep --models inception_v3 googlenet resnet50 --batches 8 64 --modes $fused_modes --together $fused_set \
+           --compile-jobs 6 ;;
+  b) sweep --models inception_v3 googlenet resnet50 --batches 8 64 --modes $unfused_modes --together $unfused_set \
+           --compile-jobs 3 ;;
+  c) sweep --models inception_v3 googlenet resnet50 --batches 8 64 --precisions fp32 --modes $fused_modes \
+           --together $fused_set --compile-jobs 6 ;;
+  d) sweep --models timm:inception_v4 --batches 8 --modes $fused_modes --together peer_compile_graph+fused:4 \
+           --compile-jobs 2
+     sweep --models timm:hrnet_w18_small timm:dla34 --batches 8 --modes $fused_modes --together $fused_set \
+           --compile-jobs 2 ;;
+  e) sweep --models torchvision:vit_b_16 --batches 32 64 --modes $fused_modes --together $fused_set --compile-jobs 2
+     sweep --models inception_v3 googlenet resnet50 --batches 32 --modes $fused_modes --together $fused_set \
+           --compile-jobs 3 ;;
+  f) sweep --models inception_v3 googlenet resnet50 --batches 128 --modes $fused_modes --together $fused_set \
+           --compile-jobs 3 ;;
+  *) echo "unknown part '$part': a to f" >&2; exit 2 ;;
+esac
+wait
+for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
+python3 -m experiments.sweep --out "$dir" --report-only >> "$OUT/bench_$part.log" 2>&1  # all parts' rows
+grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40
+tar czf "$OUT/bench.tgz" --exclude=traces --exclude=util "$dir"
