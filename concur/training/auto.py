@@ -14,7 +14,8 @@ from concur.fx import module as api
 log = logging.getLogger("concur")
 
 
-def _as_tuple(x: Any) -> tuple:
+def as_tuple(x: Any) -> tuple:
+    """A model's positional inputs as a tuple (one tensor or a list of them)."""
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
@@ -47,7 +48,7 @@ def auto_configuration(model: nn.Module, loss_fn: Callable, optimizer: torch.opt
             log.info("concur.train_step: streams='auto' keeps one stream for %s: no configuration with more "
                      "streams was measured faster than the serial graph", type(model).__name__)
         return chosen.streams, chosen.scheduler, cuda_graph and chosen.cuda_graph
-    streams = _predicted_stream_count(model, _as_tuple(example_batch[0]), scheduler)
+    streams = _predicted_stream_count(model, as_tuple(example_batch[0]), scheduler)
     if streams == 1:
         log.info("concur.train_step: streams='auto' keeps one stream for %s: no plan with more streams is "
                  "predicted faster (kernels sharing the device)", type(model).__name__)

@@ -66,14 +66,6 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     return any(len(h) for h in own + shared)
 
 
-def _value(group: dict, name: str) -> float | torch.Tensor:
-    if name == "beta1":
-        return group["betas"][0]
-    if name == "beta2":
-        return group["betas"][1]
-    return group[name]
-
-
 def structure(optimizer: torch.optim.Optimizer) -> tuple:
     """Return what the captured update's code depends on besides the values of its hyperparameters.
 
@@ -136,10 +128,6 @@ class DeviceHyperparameters:
             self.tensors[key] = torch.zeros((), dtype=dtype, device=device)
             self._write(key)
         return self.tensors[key]
-
-    def sync_groups(self) -> None:
-        """Kept for callers that add param groups: new groups get their tensors when an update asks for them."""
-        self.refresh()
 
     def refresh(self) -> None:
         """Write every hyperparameter that changed since the last refresh into its tensors (no host sync)."""

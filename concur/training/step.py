@@ -48,7 +48,7 @@ from concur.training import captured_optim
 from concur.training.arguments import check_arguments, check_optimizer, check_streams, make_capturable, \
     split_option
 from concur.training.auto import COMPILED_MAX_STREAMS as _COMPILED_MAX_STREAMS  # noqa: F401 (tests read it here)
-from concur.training.auto import auto_configuration
+from concur.training.auto import as_tuple as _as_tuple, auto_configuration
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.graph_runner import Captured, graph_runner as _graph_runner
 from concur.training.snapshot import Snapshot
@@ -59,10 +59,6 @@ BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
               "warmup", "compile", "amp_dtype", "grad_scaler", "compile_options", "accumulate", "before_step",
               "stream_priority", "split_weight_grads")
-
-
-def _as_tuple(x: Any) -> tuple:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _signature(inputs: tuple, targets: Any) -> tuple:
@@ -388,15 +384,14 @@ class TrainStep:
             buf = self._grad_buffers[p] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return buf
 
-    def _backward_from_none(self, module: nn.Module, inputs: tuple, targets: Any) -> list[torch.Tensor]:
-        """One warm-up forward and backward from no gradients; returns the parameters it reached, gradients freed."""
-        params = list(self.model.parameters())
-        optimized = set(self._optimized())
-        for p in params:
-            if p in optimized:
-                p.grad = None
+    def _backward_from_none(self, module: nn.Module, inputs: tuple, targets: Any,
+                            optimized: set[torch.Tensor]) -> list[torch.Tensor]:
+        """One warm-up forward and backward from no gradients of ``optimized``; returns the parameters it reached
+        (in the model's order), their gradients freed."""
+        for p in optimized:
+            p.grad = None
         self._backward(self._loss(module, inputs, targets))
-        reached = [p for p in params if p.grad is not None and p in optimized]
+        reached = [p for p in self.model.parameters() if p.grad is not None and p in optimized]
         for p in reached:
             p.grad = None
         return reached
@@ -424,7 +419,7 @@ class TrainStep:
             type(targets)(clone(t) for t in targets)
         try:
             with runner.side_stream():
-                reached = self._backward_from_none(module, static_inputs, static_targets)
+                reached = self._backward_from_none(module, static_inputs, static_targets, optimized)
                 owned = None
                 if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
                     owned = {p: self._gradient_buffer(p) for p in reached}
@@ -435,7 +430,7 @@ class TrainStep:
                                          self._optimized(), owned, update)
                 if lean:
                     for _ in range(self.warmup - 1):
-                        self._backward_from_none(module, static_inputs, static_targets)
+                        self._backward_from_none(module, static_inputs, static_targets, optimized)
                     getattr(update, "warm_up", lambda: None)()
                 else:
                     for _ in range(max(self.warmup - 1, 1)):  # at least one step: optimizers make state lazily
