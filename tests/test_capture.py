@@ -128,7 +128,7 @@ def test_modules_and_functions_timm_marks_not_traced_are_honoured(monkeypatch):
 
 
 def test_timm_crossvit_traces_with_scale_image_kept_whole():
-    timm = pytest.importorskip("timm")
+    timm = pytest.importorskip("timm", reason="needs timm, which the test extra installs: pip install -e \".[test]\"")
     torch.manual_seed(0)
     model = timm.create_model("crossvit_tiny_240", pretrained=False).eval()
     x = torch.randn(1, 3, 240, 240)

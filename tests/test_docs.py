@@ -255,6 +255,17 @@ def test_readme_installs_the_torch_that_ci_installs():
     assert 'pip install -e ".[test]"' in readme and "python -m pytest -q" in readme
 
 
+def test_every_package_a_test_imports_or_skips_is_in_the_test_extra():
+    """``pip install -e ".[test]"`` runs every CPU test: none skips for want of a package the extra could give."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^test = \[(.*?)\]", pyproject, re.M | re.S)
+    assert extra, "pyproject.toml has no test extra: update this test"
+    given = {re.split(r"[<>=!~\[ ]", name, maxsplit=1)[0].lower() for name in re.findall(r'"([^"]+)"', extra[1])}
+    wanted = {name.split(".")[0].lower() for path in (ROOT / "tests").glob("*.py")
+              for name in re.findall(r'importorskip\(\s*"([^"]+)"', path.read_text())}
+    assert wanted, "no test uses pytest.importorskip: update this test"
+    assert wanted <= given, f"add {sorted(wanted - given)} to the test extra in pyproject.toml"
+
 def test_readme_is_a_front_door():
     assert len(README.read_text().splitlines()) <= 150, "README: at most 150 lines; move detail to docs/"
 

@@ -145,7 +145,7 @@ def test_a_plan_predicted_faster_keeps_its_streams(caplog):
 
 @pytest.mark.parametrize("name", ["convnext_atto", "poolformer_s12"])
 def test_timm_convnext_and_poolformer_are_not_planned_slower(name):
-    timm = pytest.importorskip("timm")
+    timm = pytest.importorskip("timm", reason="needs timm, which the test extra installs: pip install -e \".[test]\"")
     model = timm.create_model(name, pretrained=False, num_classes=10)
     x = torch.randn(1, 3, 64, 64)
     plan = concur.optimize(model, (x,), streams=4, cost_model=H100).plan
