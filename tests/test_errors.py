@@ -7,6 +7,7 @@ printed; ``CONCUR_DEBUG=1`` chains it as ``__cause__`` so it is.
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,9 +68,25 @@ def setup_error(capfd, *args, entry=concur.optimize, **kwargs) -> ExampleInputEr
     assert len(str(err).splitlines()) <= 3
     # the traceback goes from the caller to the public call only, not through concur's setup
     frames = traceback.extract_tb(info.tb)
-    assert all("/concur/" not in f.filename or f.name in ("optimize", "inspect", "_check_inputs")
+    assert all(not in_concur(f) or f.name in ("optimize", "inspect", "_check_inputs")
                for f in frames), [f.name for f in frames]
     return err
+
+
+PACKAGE = Path(concur.__file__).resolve().parent
+
+
+def in_concur(frame: traceback.FrameSummary) -> bool:
+    """Whether a frame runs concur's own code: a file of the package, wherever the checkout lies (not this test)."""
+    return Path(frame.filename).resolve().is_relative_to(PACKAGE)
+
+
+def test_frames_of_concur_are_told_by_the_package_not_by_the_checkouts_folder():
+    # git clones into a folder named concur/ by default: its tests are not concur's frames
+    clone_test = traceback.FrameSummary(f"{PACKAGE.anchor}elsewhere/concur/tests/test_errors.py", 1, "test")
+    assert not in_concur(clone_test)
+    assert not in_concur(traceback.extract_stack(limit=1)[0])
+    assert in_concur(traceback.FrameSummary(str(PACKAGE / "fx" / "plan.py"), 1, "analyse"))
 
 
 def test_wrong_dtype_names_the_argument_and_the_fix(capfd):

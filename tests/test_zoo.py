@@ -36,6 +36,8 @@ import torchvision
 from concur.zoo import DEFAULT_MIN_IMAGE_SIZE, MIN_IMAGE_SIZE
 from tests.conftest import compare_with_original
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 MODELS = torchvision.models.list_models(module=torchvision.models)
 
 # Smallest square input each model accepts (concur.zoo's table, which the CLI checks against).
@@ -150,7 +152,7 @@ def _time_one(name: str) -> tuple[str, float, str]:
             f"try:\n    z.check({name!r}); s = 'pass'; r = ''\n"
             "except BaseException as e:\n    s = 'FAIL'; r = f'{type(e).__name__}: {e}'.splitlines()[0][:200]\n"
             "print('RESULT', s, time.perf_counter() - t, r, sep='\\t')\n")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = dict(os.environ, PYTHONPATH=ROOT)  # where tests.test_zoo is, whatever the cwd
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -172,7 +174,7 @@ def main(argv: list[str]) -> None:
         rows.append(f"| {name} | {size} | {status} | {secs:.1f} | {tier} | {reason or UNSUPPORTED.get(name, '')} |")
         print(rows[-1], flush=True)
     if not argv:
-        with open("experiments/zoo_table.md", "w") as f:
+        with open(os.path.join(ROOT, "experiments", "zoo_table.md"), "w") as f:
             f.write(_TABLE_HEADER + "\n".join(rows) + "\n")
 
 
