@@ -26,6 +26,7 @@ from concur.zoo import ModelSpecError, ZooModel, load
 USAGE_ERROR = 2  # argparse's own exit code for a bad command line
 AUTO = "auto"
 NO_GPU_DEVICE = "h100"  # what --device auto models without a GPU: the device concur's numbers were measured on
+INSPECTED_STREAMS = 8  # inspect predicts 1..8 streams (more when --streams asks for more)
 
 
 class UsageError(ValueError):
@@ -89,6 +90,20 @@ def _plan_summary(cm: api.ConcurModule, device_line: str) -> str:
             f"predicted makespan {s.makespan:,.1f} us on the {device_line}")
 
 
+def faster_streams(predicted: dict[int, float], asked: int) -> str:
+    """Return a line naming the stream count predicted fastest when it is not ``asked`` ('' when it is).
+
+    Speedups are compared as printed (two decimals), so a tie on the page is no
+    advice; among equals the fewest streams win.
+    """
+    shown = {k: round(v, 2) for k, v in predicted.items()}
+    best = max(sorted(shown), key=lambda k: shown[k])
+    if asked not in shown or shown[best] <= shown[asked]:
+        return ""
+    return (f"{best} streams are predicted faster than the {asked} asked for ({shown[best]:.2f}x against "
+            f"{shown[asked]:.2f}x): try --streams {best}")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     zoo = _model(args)
     model = zoo.model.train(not args.eval)
@@ -96,10 +111,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     cost, note = device_model(args.device)
     print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
           f"{'eval' if args.eval else 'train'} mode{'; ' + note if note else ''}")
-    print(_analysed(args, zoo, api.inspect, model, example, scheduler=args.scheduler, cost_model=cost))
+    inspection = _analysed(args, zoo, api.inspect, model, example, scheduler=args.scheduler, cost_model=cost,
+                           max_streams=max(INSPECTED_STREAMS, args.streams))
+    print(inspection)
     cm = _analysed(args, zoo, api.optimize, model, example, streams=args.streams, scheduler=args.scheduler,
                    cost_model=cost)
     print(_plan_summary(cm, describe(cost)))
+    advice = faster_streams(inspection.predicted_speedup, args.streams)
+    if advice:
+        print(advice)
     return 0
 
 
@@ -193,8 +213,13 @@ def _int_in(low: int, high: int):
     return parse
 
 
+def _plain(doc: str) -> str:
+    """Return a docstring as terminal text: reStructuredText's ``literal`` marks dropped."""
+    return doc.replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="concur", description=__doc__,
+    parser = argparse.ArgumentParser(prog="concur", description=_plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     debug = argparse.ArgumentParser(add_help=False)
@@ -203,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, parents=[debug])
     common.add_argument("model", nargs="?", default="torchvision:googlenet",
                         help="torchvision:NAME, timm:NAME (needs timm) or my.module:make_model, a function "
-                             "taking no arguments (default: %(default)s)")
+                             "taking no arguments, imported as python -m would (my.module in the current folder "
+                             "or on PYTHONPATH; my_file.py:make_model also works) (default: %(default)s)")
     common.add_argument("--batch-size", type=_int_in(1, 1 << 16), default=8, metavar="N",
                         help="batch of the example input (default: %(default)s)")
     common.add_argument("--image-size", type=_int_in(1, 1 << 14), default=None, metavar="PX",
@@ -215,9 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device whose roofline predicts op times, hence the plan and the predicted "
                              f"speedup (default: %(default)s: this machine's GPU, or {NO_GPU_DEVICE} "
                              "without one)")
-    insp = sub.add_parser("inspect", parents=[common], help="print the DAG, critical path and predicted plan",
-                          description="Trace the model on the CPU and print its DAG, critical path, predicted "
-                                      "speedups and the plan, for the device --device names.")
+    insp = sub.add_parser("inspect", parents=[common],
+                          help="print a summary of the model's DAG, its predicted speedups and plan",
+                          description="Trace the model on the CPU and print a summary of its DAG (operations, "
+                                      "width, serial time, critical path), the predicted speedup for 1 to 8 "
+                                      "streams (or up to --streams), and the plan for --streams, for the "
+                                      "device --device names; "
+                                      "and which stream count is predicted fastest when it is not --streams. "
+                                      "The DAG itself is not printed: concur.inspect and "
+                                      "concur.optimize(...).plan give it in Python.")
     insp.add_argument("--scheduler", default="critical_path", choices=sorted(schedulers.SCHEDULERS),
                       help="how ops are placed on streams (default: %(default)s)")
     insp.add_argument("--eval", action="store_true", help="trace in eval mode (default: train mode)")

@@ -2,8 +2,10 @@
 
 A model spec is ``torchvision:NAME`` (``torchvision.models.list_models()``),
 ``timm:NAME`` (``timm.list_models()``, needs ``pip install timm``) or
-``package.module:factory`` (a callable taking no arguments). Every model is
-randomly initialised: concur's plan depends on shapes, not on weights.
+``package.module:factory`` (a callable taking no arguments), imported as
+``python -m`` would: a module in the current folder is found without
+``PYTHONPATH``. Every model is randomly initialised: concur's plan depends on
+shapes, not on weights.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -122,12 +126,33 @@ def _timm(spec: str, name: str) -> ZooModel:
     return ZooModel(spec, model, size, int(minimum[-1]) if minimum else 1)
 
 
-def _factory(spec: str, module_name: str, attr: str) -> ZooModel:
+def import_from_cwd(module_name: str):
+    """Return the module ``module_name``, looked up first in the current folder, as ``python -m`` does.
+
+    The ``concur`` script's own folder, not the current one, heads ``sys.path``;
+    the current folder is put first for this import only.
+    """
+    cwd = os.getcwd()
+    added = not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
+    importlib.invalidate_caches()  # a file written since the last import is seen
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _factory(spec: str, module_name: str, attr: str) -> ZooModel:
+    if module_name.endswith(".py"):  # a file's path, as a user may type it: my_file.py, models/net.py
+        module_name = os.path.normpath(module_name).removesuffix(".py").replace(os.sep, ".").replace("/", ".")
+    try:
+        module = import_from_cwd(module_name)
     except ImportError as exc:
-        raise ModelSpecError(f"cannot import {module_name!r} for {spec} ({exc}): the module must be importable "
-                             f"from here, or use {SPEC_FORMS}") from None
+        raise ModelSpecError(f"cannot import {module_name!r} for {spec} ({exc}): {module_name.replace('.', '/')}.py "
+                             f"must be in the current folder ({os.getcwd()}) or on PYTHONPATH, "
+                             f"or use {SPEC_FORMS}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelSpecError(f"{module_name} has no callable {attr!r}: {spec} must name a function that "

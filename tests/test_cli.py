@@ -172,3 +172,89 @@ def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code():
 
     done = subprocess.run([sys.executable, "-m", "concur", "no-such-command"], capture_output=True, text=True)
     assert done.returncode == 2 and "usage: concur" in done.stderr
+
+
+THREE_BRANCHES = '''
+import torch
+import torch.nn as nn
+
+
+class ThreeBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Conv2d(3, 8, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        return torch.cat([b(x) for b in self.branches], dim=1)
+
+
+def make():
+    return ThreeBranches()
+'''
+
+
+@pytest.fixture
+def model_file_in_a_temp_cwd(tmp_path, monkeypatch):
+    """A model file in a fresh current folder, which is not on sys.path (as for the installed ``concur`` script)."""
+    name = f"my_net_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(THREE_BRANCHES)
+    monkeypatch.chdir(tmp_path)
+    # `python -m pytest` puts the folder it started in on sys.path ('' or its path): not the temp cwd's
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("form", ["{name}:make", "{name}.py:make", "./{name}.py:make"])
+def test_a_spec_of_a_file_in_the_current_folder_is_imported_as_python_dash_m_would(
+        form, model_file_in_a_temp_cwd, capsys):
+    path_before = list(sys.path)
+    spec = form.format(name=model_file_in_a_temp_cwd)
+    assert main(["inspect", spec, "--batch-size", "2", "--image-size", "8"]) == 0, capsys.readouterr().err
+    assert "model              ThreeBranches" in capsys.readouterr().out
+    assert sys.path == path_before  # the current folder is on sys.path for that import only
+
+
+def test_a_spec_that_cannot_be_imported_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", "not_here:make"]) == 2
+    err = capsys.readouterr().err
+    assert f"not_here.py must be in the current folder ({tmp_path}) or on PYTHONPATH" in err
+
+
+def _all_help(parser: argparse.ArgumentParser) -> dict[str, str]:
+    return {"concur": parser.format_help(), **{name: sub.format_help() for name, sub in _subparsers(parser).items()}}
+
+
+def test_help_text_has_no_raw_markup():
+    for command, text in _all_help(build_parser()).items():
+        assert "``" not in text, f"concur {command} --help shows reStructuredText: {text}"
+    assert "The concur command: inspect a model's plan" in build_parser().format_help()
+
+
+def test_inspect_help_says_it_prints_a_summary_not_the_dag():
+    parser = build_parser()
+    listed = re.search(r"^\s+inspect\s+(.*)$", parser.format_help(), re.M)[1]
+    assert "summary" in listed and not listed.startswith("print the DAG")
+    own = " ".join(_subparsers(parser)["inspect"].format_help().split())
+    assert "print a summary of its DAG" in own and "The DAG itself is not printed" in own
+
+
+def test_faster_streams_names_the_fastest_count_when_it_is_not_the_one_asked_for():
+    googlenet = {1: 1.0, 2: 1.42, 3: 1.59, 4: 1.55}  # concur demo's prediction on an H100
+    assert cli.faster_streams(googlenet, 4) == ("3 streams are predicted faster than the 4 asked for "
+                                                "(1.59x against 1.55x): try --streams 3")
+    assert cli.faster_streams(googlenet, 3) == ""
+    assert cli.faster_streams({1: 1.0, 2: 1.331, 3: 1.334}, 2) == ""  # equal as printed: no advice
+    assert "try --streams 2" in cli.faster_streams({1: 1.0, 2: 1.5, 3: 1.5, 4: 1.2}, 4)  # the fewest of equals
+
+
+def test_inspect_says_when_another_stream_count_is_predicted_faster(model_file_in_a_temp_cwd, capsys):
+    spec = f"{model_file_in_a_temp_cwd}:make"
+    assert main(["inspect", spec, "--batch-size", "2", "--image-size", "8", "--streams", "2"]) == 0
+    out = capsys.readouterr().out
+    predicted = _speedups(out)
+    assert predicted[3] > predicted[2]  # three branches: a third stream helps
+    assert out.rstrip().endswith("try --streams 3") and "3 streams are predicted faster than the 2 asked for" in out
+    assert main(["inspect", spec, "--batch-size", "2", "--image-size", "8", "--streams", "3"]) == 0
+    assert "predicted faster" not in capsys.readouterr().out

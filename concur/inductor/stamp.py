@@ -88,6 +88,7 @@ import torch.fx as fx
 import schedulers
 
 from concur import _torch_compat as compat
+from concur.dag import decide
 from concur.dag.cost import Roofline
 from concur.inductor.aten_dag import build_aten_dag, is_unpack, is_view, root
 
@@ -99,7 +100,6 @@ MAX_STREAMS = _KIND_STRIDE
 EVENT_OFFSET = 2 * _KIND_STRIDE
 MAX_EVENTS = 2048          # created once per device; a graph needing more stays on one stream
 CALLER = 0                 # slot of the caller's stream (the current stream when the graph is called)
-MIN_CLUSTER_LAUNCHES = 2   # a stream switch must be worth about this many launches (an event each way)
 
 
 def stream_slot(device_index: int, backward: bool, stream: int) -> int:
@@ -121,7 +121,7 @@ class StreamOptions:
     streams: int = 4
     scheduler: str = "critical_path"
     roofline: Roofline | None = None     # None: the route's caller must set one (the backend does)
-    min_predicted_speedup: float = 1.0
+    min_predicted_speedup: float = decide.MIN_SPEEDUP
     # Stamp CPU graphs too, without events (CPU codegen ignores streams except as fusion
     # boundaries): for tests and to read the stamps; off, CPU graphs are left as they are.
     stamp_cpu: bool = False
@@ -170,16 +170,18 @@ def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int
     dag = build_aten_dag(graph, roof)
     if options.streams == 1 or dag.number_of_nodes() < 2:
         return {}, (), StampResult(len(calls), 1, reason="one stream")
-    coarse = schedulers.coarsen(dag, min_cost=MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
-    schedule = schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, options.streams, options.scheduler))
-    serial_us = schedulers.serial(dag).makespan
+    schedule = decide.schedule_graph(dag, options.streams, options.scheduler,
+                                     decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
     if schedule.num_streams == 1 or schedule.makespan <= 0:
         return {}, (), StampResult(len(calls), 1, reason="the schedule uses one stream")
-    ideal = serial_us / schedule.makespan
-    predicted = serial_us / schedulers.simulate_shared(dag, schedule)
-    if predicted < options.min_predicted_speedup:
+    # the prediction decides here: timing the one-stream program would take a second compile
+    prediction = decide.predict(dag, schedule)
+    ideal, predicted = prediction.ideal_speedup, prediction.speedup
+    decision = decide.decide(f"a stamped graph of {len(calls)} ops", prediction,
+                             min_speedup=options.min_predicted_speedup)
+    if not decision.keep:
         return {}, (), StampResult(len(calls), 1, ideal_speedup=ideal, predicted_speedup=predicted,
-                               reason=f"predicted {predicted:.2f}x < {options.min_predicted_speedup:.2f}x")
+                                   reason=decision.reason)
     problems = schedulers.validate(dag, schedule)
     if problems:
         raise ValueError(f"invalid schedule (a concur bug, please report it): {problems[:3]}")
@@ -584,7 +586,7 @@ def _sources() -> tuple[str, ...]:
     here = os.path.dirname(__file__)
     sched = os.path.dirname(pkg.__file__)
     files = [os.path.join(here, f) for f in ("stamp.py", "aten_dag.py", "../dag/cost.py", "../dag/hazards.py",
-                                             "../dag/annotate.py")]
+                                             "../dag/annotate.py", "../dag/decide.py")]
     files += sorted(os.path.join(sched, f) for f in os.listdir(sched) if f.endswith(".py"))
     return tuple(files)
 
