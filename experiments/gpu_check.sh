@@ -24,6 +24,8 @@
 #   lean           in parallel processes: the lean captured step against PyTorch's recipe (tests/test_gpu_lean_step.py:
 #                  kernels and memory), the train_step habits, tests/test_gpu.py, the unfused weight-gradient split,
 #                  the fused envelope and sanitizer (GoogLeNet, ResNet-50); $OUT/lean.txt, $OUT/lean_logs.tgz
+#   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
+#                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -133,6 +135,20 @@ for step in "$@"; do
              t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
              fused_checks ordered_reuse "googlenet resnet50" "googlenet resnet50"
              end_parallel lean " passed\| failed\|Error\|sanitized run finished\|deviation\|first update\|kernels per\|memory, concur" 5 900 ;;
+    gap) begin_parallel gap  # who holds the memory (in parallel: allocator stats are per process), then timing alone
+             for who in recipe concur; do
+               t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/gap_memory.jsonl
+               t "mem_googlenet_compiled_$who" python3 experiments/memory_diff.py --model googlenet --compile \
+                 --who $who --json $OUT/gap_memory.jsonl
+             done
+             t mem_r50_eager_concur4 python3 experiments/memory_diff.py --who concur --streams 4 --json $OUT/gap_memory.jsonl
+             t mem_googlenet_compiled_concur4 python3 experiments/memory_diff.py --model googlenet --compile \
+               --who concur --streams 4 --json $OUT/gap_memory.jsonl
+             end_parallel gap "MB\|Error" 40 100000
+             for a in "--model resnet50" "--model resnet50 --compile" "--model googlenet --compile"; do
+               timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 15 )) python3 experiments/step_gap.py $a \
+                 --json "$OUT/gap_time.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/gap_time.txt"
+             done ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

@@ -114,3 +114,72 @@ def test_ops_without_arithmetic_are_told_apart_from_work():
     facts = {n.name: n.meta["concur"] for n in operation_nodes(gm.graph)}
     assert {name for name, f in facts.items() if f.no_arithmetic} == {"add_", "getattr_1", "getitem", "skip", "view"}
     assert facts["add_"].launches_kernel  # still a kernel, just not one worth a stream
+
+
+_seen_alive: list[int] = []
+_probes: list = []
+
+
+@torch.fx.wrap
+def _probe(x):
+    """Records how many earlier probed values are still alive when it runs (annotation frees dead values)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    _seen_alive.append(sum(not ref.expired() for ref in _probes))
+    _probes.append(StorageWeakRef(x.untyped_storage()))
+    return x
+
+
+class Chain(nn.Module):
+    def forward(self, x):
+        for _ in range(8):
+            x = _probe(x * 2.0)
+        return x
+
+
+def test_annotation_frees_each_value_after_its_last_use():
+    """Annotating costs an inference run's memory, not every activation of the model at once."""
+    _seen_alive.clear()
+    _probes.clear()
+    annotate(trace(Chain()), (torch.randn(64, 64),))
+    assert len(_seen_alive) == 8
+    assert max(_seen_alive) <= 2, _seen_alive  # kept alive, all 8 values would be: 0, 1, ..., 7
+
+
+def test_storage_keys_tell_a_reused_address_from_an_alias():
+    from concur.dag.annotate import StorageKeys
+
+    key = StorageKeys()
+    a = torch.empty(4096)
+    first, view = key(a), key(a[10:])
+    assert first == view  # a view shares its base's storage
+    address = a.data_ptr()
+    del a
+    for _ in range(50):  # the allocator hands the freed block out again (usually at once)
+        b = torch.empty(4096)
+        if b.data_ptr() == address:
+            assert key(b) != first
+            break
+        del b
+
+
+def test_aliases_found_after_values_are_freed():
+    """With values freed during the run, in-place writes through a view still hit the base's key."""
+    class Views(nn.Module):
+        def forward(self, x):
+            for _ in range(4):
+                y = x * 1.0  # dies after the next lines: its address is reused by the next iteration's
+                y[0].add_(1)
+                x = y + 1
+            return x
+
+    gm = trace(Views())
+    annotate(gm, (torch.randn(8, 8),))
+    nodes = operation_nodes(gm.graph)
+    adds = [n for n in nodes if n.target == "add_"]
+    muls = [n for n in nodes if n.target is operator.mul]
+    assert len(adds) == 4 and len(muls) == 4
+    for mul, add in zip(muls, adds):
+        (made,) = mul.meta["concur"].outputs
+        assert made in add.meta["concur"].writes
+    assert len({next(iter(m.meta["concur"].outputs)) for m in muls}) == 4  # four storages, four keys

@@ -12,8 +12,11 @@ in-place ops hidden inside leaf modules, ``inplace=True`` flags, custom ops
 and buffer updates are all caught the same way. Static rules (trailing
 underscore, ``inplace=True``, ``out=``, schema write annotations) are added
 on top, so a mutation that happened not to fire on the example input still
-counts. Intermediate values are kept alive for the whole run, so a storage
-address is never reused and equal addresses mean real aliasing.
+counts. Intermediate values are freed after their last use, as in a plain
+forward, so annotating costs no more memory than an inference run; a
+storage's key is its address plus a generation that changes when the
+address is reused by a new storage (a weak reference tells whether the
+old one is still alive), so equal keys still mean real aliasing.
 
 The run leaves no trace on the model: buffers (BatchNorm running
 statistics), the RNG state and the example inputs are restored or cloned.
@@ -22,6 +25,7 @@ statistics), the RNG state and the example inputs are restored or cloned.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator
@@ -30,9 +34,10 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from concur._torch_compat import version_counter
+from concur._torch_compat import op_schema, version_counter
 
 OP_KINDS = ("call_function", "call_method", "call_module")
 RNG = "rng"  # storage key of the global random-number generator state
@@ -69,9 +74,25 @@ class NodeFacts:
     no_arithmetic: bool = False
 
 
-def storage_key(t: torch.Tensor) -> Hashable:
-    """Return a key equal for two tensors exactly when they share memory."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+class StorageKeys:
+    """Keys equal for two tensors exactly when they share a storage, also after an address is reused.
+
+    An address alone is not enough once values are freed during the run: the
+    caching allocator hands a freed block to the next tensor. The key adds a
+    generation per address, new whenever the storage last seen there is dead.
+    """
+
+    def __init__(self):
+        self._seen: dict[tuple[str, int], tuple[int, StorageWeakRef]] = {}
+        self._generations = itertools.count()
+
+    def __call__(self, t: torch.Tensor) -> Hashable:
+        storage = t.untyped_storage()
+        address = (str(t.device), storage.data_ptr())
+        seen = self._seen.get(address)
+        if seen is None or seen[1].expired():
+            seen = self._seen[address] = (next(self._generations), StorageWeakRef(storage))
+        return (*address, seen[0])
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -108,7 +129,7 @@ def statically_mutated_args(node: fx.Node, module: torch.nn.Module | None) -> li
         mutated.extend(first)
     elif node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         mutated.extend(first)
-    schema = getattr(node.target, "_schema", None)  # aten OpOverloads carry alias info
+    schema = op_schema(node.target)  # aten OpOverloads carry alias info
     if schema is not None:
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
@@ -182,8 +203,9 @@ class _Annotator(ShapeProp):
 
     def __init__(self, gm: fx.GraphModule, devices: set[torch.device]):
         super().__init__(gm)
-        self.garbage_collect_values = False  # keep every value alive: no address reuse
+        self.garbage_collect_values = True  # as a plain forward: StorageKeys tells reused addresses apart
         self.devices = devices
+        self.storage_key = StorageKeys()
         self._failure: Exception | None = None
 
     def _guarded(self, run: Any, target: Any, args: Any, kwargs: Any) -> Any:
@@ -218,6 +240,7 @@ class _Annotator(ShapeProp):
             raise OpFailed(n, self._failure) from self._failure
         rng_used = any(not torch.equal(a, b) for a, b in zip(rng_before, _rng_snapshot(self.devices)))
 
+        storage_key = self.storage_key
         reads = {storage_key(t) for t in watched}
         writes = {storage_key(t) for t, v in zip(watched, versions) if version_counter(t) != v}
         for arg in statically_mutated_args(n, module):

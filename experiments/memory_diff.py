@@ -1,0 +1,114 @@
+"""Who holds the memory of a captured step, against PyTorch's recipe (experiments/peers.py), from the allocator's history.
+
+    PYTHONPATH=. python experiments/memory_diff.py --model resnet50 --batch 8 --who concur [--compile] [--streams 1]
+
+Records the caching allocator's history through setup (building the step,
+its capture) and three calls, then prints, grouped by the Python line that
+allocated them (the innermost frame in concur, experiments or the model):
+the tensors live at the setup's peak of allocated memory, and those live
+once set up. Run it once per side (``--who recipe`` and ``--who concur``):
+allocator statistics are per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+
+import torch
+import torch.nn as nn
+
+from experiments.step_gap import _model
+from experiments import peers
+
+_OURS = ("/concur/", "/experiments/", "/torchvision/models/")
+
+
+def _site(frames: list) -> str:
+    """The innermost frame of ours (concur, experiments, the model) and the innermost torch frame above it."""
+    torch_frame = next((f for f in frames if "/torch/" in f["filename"]), None)
+    ours = next((f for f in frames if any(s in f["filename"] for s in _OURS)), None)
+    name = lambda f: f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"  # noqa: E731
+    return (name(ours) if ours else "?") + ("  <- " + torch_frame["name"] if torch_frame else "")
+
+
+def _live_at_peak_and_end(trace: list) -> tuple[int, dict, dict]:
+    live, total, peak, at_peak = {}, 0, -1, {}
+    for event in trace:
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action in ("free_requested", "free_completed") and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    return peak, at_peak, live
+
+
+def _by_site(live: dict) -> list[tuple[str, float, int]]:
+    groups = collections.defaultdict(lambda: [0, 0])
+    for e in live.values():
+        g = groups[_site(e.get("frames", []))]
+        g[0] += e["size"]
+        g[1] += 1
+    return sorted(((k, v[0] / 2**20, v[1]) for k, v in groups.items()), key=lambda r: -r[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--who", choices=("recipe", "concur"), required=True)
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, size = _model(args.model)
+    model = model.cuda().to(memory_format=torch.channels_last).train()
+    batch = (torch.randn(args.batch, 3, size, size, device="cuda").to(memory_format=torch.channels_last),
+             torch.randint(0, 1000, (args.batch,), device="cuda"))
+    loss_fn = nn.CrossEntropyLoss()
+    opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    if args.who == "recipe":
+        make = peers.compile_graph_step if args.compile else peers.eager_graph_step
+        step = make(model, loss_fn, opt, batch, amp_dtype=torch.bfloat16)
+    else:
+        import concur
+        step = concur.train_step(model, loss_fn, opt(model.parameters()), batch, streams=args.streams,
+                                 amp_dtype=torch.bfloat16, compile=args.compile)
+    for _ in range(3):
+        step(*batch)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    mb = lambda n: n / 2**20  # noqa: E731
+    stats = {"setup_peak_allocated_mb": mb(torch.cuda.max_memory_allocated() - before),
+             "setup_peak_reserved_mb": mb(torch.cuda.max_memory_reserved()),
+             "held_allocated_mb": mb(torch.cuda.memory_allocated() - before),
+             "held_reserved_mb": mb(torch.cuda.memory_reserved())}
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    peak, at_peak, end = _live_at_peak_and_end(trace)
+    label = f"{args.who} {args.model} b{args.batch} {'compiled' if args.compile else 'eager'} streams={args.streams}"
+    print(f"\n{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items()) + f"; traced peak {mb(peak):.1f} MB")
+    rows = {}
+    for title, live in (("live at the setup peak", at_peak), ("live once set up", end)):
+        rows[title] = _by_site(live)[:15]
+        print(f"  {title}:")
+        for site, size_mb, n in rows[title]:
+            print(f"    {size_mb:9.1f} MB {n:5d}  {site}")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"label": label, **stats, "rows": rows}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
