@@ -23,8 +23,8 @@ fused_modes="peer_compile_graph compile_graph fused:4"; fused_set=peer_compile_g
 unfused_modes="peer_eager_graph serial_graph concur_graph:4"; unfused_set=peer_eager_graph+serial_graph+concur_graph:4
 groups=()
 # timeout leads a process group of the sweep and its children: on the deadline it ends them all
-sweep() { timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume --precisions bf16 --repeats 30 \
-            --rounds 5 "$@" >> "$OUT/bench_$part.log" 2>&1 &
+sweep() { timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume --precisions bf16 --repeats 150 \
+            --rounds 10 "$@" >> "$OUT/bench_$part.log" 2>&1 &
           groups+=($!); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 case $part in

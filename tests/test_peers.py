@@ -147,9 +147,9 @@ def _row(mode, ms, timed_with=(), **memory):
 def test_the_report_divides_by_the_peer_and_never_calls_concurs_own_step_the_baseline():
     mem = dict(setup_peak_allocated_mb=100.0, setup_peak_reserved_mb=200.0, steady_peak_allocated_mb=50.0,
                steady_peak_reserved_mb=160.0)
-    rows = [_row("peer_compile_graph", 3.0, ["compile_graph", "fused:4"], **mem),
+    rows = [_row("peer_compile_graph", 3.0, ["compile_graph", "fused:4"], synced_ms=3.3, **mem),
             _row("compile_graph", 2.0, ["peer_compile_graph", "fused:4"], peak_mb=110.0),  # an older row
-            _row("fused:4", 1.5, ["peer_compile_graph", "compile_graph"], setup_peak_allocated_mb=120.0,
+            _row("fused:4", 1.5, ["peer_compile_graph", "compile_graph"], synced_ms=2.0, setup_peak_allocated_mb=120.0,
                  setup_peak_reserved_mb=300.0, steady_peak_allocated_mb=40.0, steady_peak_reserved_mb=240.0),
             _row("peer_eager_graph", 4.0, **mem), _row("serial_graph", 5.0), _row("concur_graph:4", 3.2)]
     ratios = {e["mode"]: e for e in report.peer_ratios(rows)}
@@ -158,6 +158,7 @@ def test_the_report_divides_by_the_peer_and_never_calls_concurs_own_step_the_bas
         "serial_graph": "peer_eager_graph", "concur_graph:4": "peer_eager_graph"}
     fused = ratios["fused:4"]
     assert fused["speedup"] == pytest.approx(2.0) and fused["together"]
+    assert fused["synced_speedup"] == pytest.approx(1.65) and ratios["compile_graph"]["synced_speedup"] is None
     assert [fused[f + "_ratio"] for f in FIELDS] == pytest.approx([1.2, 1.5, 0.8, 1.5])
     assert ratios["compile_graph"]["setup_peak_allocated_mb_ratio"] == pytest.approx(1.1)  # peak_mb stands in
     assert ratios["compile_graph"]["steady_peak_reserved_mb_ratio"] is None
@@ -166,8 +167,8 @@ def test_the_report_divides_by_the_peer_and_never_calls_concurs_own_step_the_bas
     [best] = report.best_speedups(rows)
     assert (best["concur_mode"], best["best_alternative"]) == ("fused:4", "peer_compile_graph")
     lines = report.peer_table_markdown(rows)
-    assert "| g | bf16 | 8 | fused:4 | peer_compile_graph | 3.00 | 1.50 | 2.000x | 1.00x | 1.20x | 1.50x | 0.80x " \
-           "| 1.50x |" in lines
+    assert "| g | bf16 | 8 | fused:4 | peer_compile_graph | 3.00 | 1.50 | 2.000x | 1.650x | 1.00x | 1.20x | 1.50x " \
+           "| 0.80x | 1.50x |" in lines
     serial = next(line for line in lines if "| serial_graph |" in line)
     assert serial.startswith("| g | bf16 | 8 | serial_graph | peer_eager_graph (not together) | 4.00 | 5.00 | 0.800x |")
 

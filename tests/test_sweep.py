@@ -594,3 +594,19 @@ def test_memory_peaks_count_from_the_modes_own_start_and_not_the_other_modes(mon
     without = {}
     MemoryPeaks(cuda=False).end_setup(without)
     assert without == {}
+
+
+def test_turns_time_back_to_back_steps_and_waited_steps_apart(monkeypatch):
+    """``ms`` is the median of per-round means of back-to-back steps; ``synced_ms`` of steps each waited for."""
+    import concur.observe.timing as timing_mod
+    from experiments.sweep import timing
+
+    blocks = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])  # rounds alternate: mode a, mode b, a, b, a, b
+    monkeypatch.setattr(timing_mod, "cuda_block_ms", lambda fn, warmup, steps: next(blocks))
+    monkeypatch.setattr(timing_mod, "cuda_times_ms", lambda fn, warmup, repeats: [10.0] * repeats)
+    monkeypatch.setattr(timing, "_under_nvml", lambda row, cfg, fn, seconds, first=lambda: None: None)
+    memory = types.SimpleNamespace(begin_steps=lambda: None, end_steps=lambda: None, record_steady=lambda row: None)
+    prepared = [types.SimpleNamespace(row={}, step_fn=lambda: None, cuda=True, memory=memory) for _ in range(2)]
+    timing.time_in_turns(prepared, {"rounds": 3, "repeats": 12})
+    assert [p.row["ms"] for p in prepared] == [3.0, 5.0]
+    assert [p.row["synced_ms"] for p in prepared] == [10.0, 10.0]

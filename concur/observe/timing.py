@@ -34,6 +34,25 @@ def cuda_times_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) 
     return times
 
 
+def cuda_block_ms(fn: Callable[[], object], warmup: int = 2, steps: int = 20) -> float:
+    """Return the mean time (ms) of ``steps`` back-to-back calls of ``fn`` between two CUDA events.
+
+    A training loop that reads its loss only now and then queues steps ahead
+    of the device, so the host's time per call hides behind the kernels;
+    :func:`cuda_times_ms` waits after every call and counts it. Both are
+    step times; this is the one of such a loop.
+    """
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def wall_times_ms(fn: Callable[[], object], warmup: int = 5, repeats: int = 20) -> list[float]:
     """Return the wall-clock time of each of ``repeats`` calls of ``fn`` (ms), after ``warmup`` calls."""
     for _ in range(warmup):

@@ -83,6 +83,7 @@ def peer_ratios(rows: list[dict]) -> list[dict]:
                 continue
             entry = dict(model=model, precision=precision, batch=batch, mode=r["mode"], peer=peer["mode"],
                          peer_ms=peer["ms"], ms=r["ms"], speedup=peer["ms"] / r["ms"],
+                         synced_speedup=_ratio(peer.get("synced_ms"), r.get("synced_ms")),
                          together=peer["mode"] in (r.get("timed_with") or []),
                          setup_ratio=None if warm(r) or warm(peer) else _ratio(r.get("setup_s"), peer.get("setup_s")))
             for field, _ in MEMORY_COLUMNS:
@@ -166,14 +167,17 @@ def peer_table_markdown(rows: list[dict]) -> list[str]:
              "+ the docs' whole-network CUDA-graph capture); serial_graph and concur_graph by peer_eager_graph "
              "(the capture alone). Speedup: the peer's step time over the mode's (above 1: faster). Setup and "
              "memory: the mode's over the peer's (below 1: less); no setup ratio where a compile reused the caches "
-             "of an earlier mode in its child. Not together: the two were timed in different children.", "",
-             "| model | precision | batch | mode | peer | peer ms | ms | speedup | setup | "
-             + " | ".join(header for _, header in MEMORY_COLUMNS) + " |", "|---|---|---|---|---|---|---|---|---|"
+             "of an earlier mode in its child. Not together: the two were timed in different children. "
+             "Synced: the speedup when every step is waited for (a loop that reads its loss each step), "
+             "which adds each step's host time before its replay.", "",
+             "| model | precision | batch | mode | peer | peer ms | ms | speedup | synced | setup | "
+             + " | ".join(header for _, header in MEMORY_COLUMNS) + " |", "|---|---|---|---|---|---|---|---|---|---|"
              + "---|" * len(MEMORY_COLUMNS)]
     for e in entries:
         lines.append(f"| {e['model']} | {e['precision']} | {e['batch']} | {e['mode']} | {e['peer']}"
                      f"{'' if e['together'] else ' (not together)'} | {e['peer_ms']:.2f} | {e['ms']:.2f} | "
-                     f"{e['speedup']:.3f}x | {num(e['setup_ratio'])} | "
+                     f"{e['speedup']:.3f}x | {'' if e['synced_speedup'] is None else format(e['synced_speedup'], '.3f') + 'x'} | "
+                     f"{num(e['setup_ratio'])} | "
                      + " | ".join(num(e[field + '_ratio']) for field, _ in MEMORY_COLUMNS) + " |")
     return lines
 

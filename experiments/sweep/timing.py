@@ -35,20 +35,35 @@ def time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool) -> None
 
 
 def time_in_turns(prepared: list[PreparedMode], cfg: dict) -> None:
-    """Time the prepared modes in alternating rounds; each row gets its median, spread and utilization."""
-    from concur.observe.timing import cuda_times_ms, median_and_iqr, wall_times_ms
+    """Time the prepared modes in alternating rounds; each row gets its median, spread and utilization.
+
+    On CUDA each round gives two samples per mode: the mean of ``repeats/rounds``
+    back-to-back steps (``ms``: a loop that reads its loss now and then, where
+    the host's time per call hides behind the device's) and, right after,
+    the same number of steps each waited for (``synced_ms``: a loop that
+    reads its loss every step, which adds the host's time before the
+    replay). ``ms`` is the median over rounds, ``iqr_ms`` their spread.
+    """
+    from concur.observe.timing import cuda_block_ms, cuda_times_ms, median_and_iqr, wall_times_ms
 
     rounds = max(1, cfg.get("rounds", 5))
     per_round = max(1, cfg.get("repeats", 30) // rounds)
     rewarm = 2  # steps after switching modes: the other mode's kernels left the caches cold
     times: list[list[float]] = [[] for _ in prepared]
+    synced: list[list[float]] = [[] for _ in prepared]
     for _ in range(rounds):
         for i, p in enumerate(prepared):
             p.memory.begin_steps()  # each mode's stretch: its steady peak is the largest rise over one
-            times[i] += (cuda_times_ms if p.cuda else wall_times_ms)(p.step_fn, rewarm, per_round)
+            if p.cuda:
+                times[i].append(cuda_block_ms(p.step_fn, rewarm, per_round))
+                synced[i] += cuda_times_ms(p.step_fn, 0, per_round)
+            else:
+                times[i] += wall_times_ms(p.step_fn, rewarm, per_round)
             p.memory.end_steps()
-    for p, ts in zip(prepared, times):
+    for p, ts, ss in zip(prepared, times, synced):
         p.row["ms"], p.row["iqr_ms"] = median_and_iqr(ts)
+        if ss:
+            p.row["synced_ms"], p.row["synced_iqr_ms"] = median_and_iqr(ss)
         p.row["rounds"] = rounds
         p.memory.record_steady(p.row)
         if p.cuda:  # NVML samples every ~200 ms: each mode steps alone for a while for its utilization
