@@ -54,5 +54,19 @@ class ExampleInputError(ConcurError):
         self.original = original
 
 
+class BatchError(ConcurError):
+    """A batch given to a train_step at a call that the model or ``loss_fn`` rejects (wrong channels, dtype, device...).
+
+    ``argument`` names the part at fault (``"inputs"``, ``"inputs[1]"``,
+    ``"targets"``); ``original`` is the exception torch raised. The call did
+    not count: the accumulation cycle goes on with the next batch that fits.
+    """
+
+    def __init__(self, message: str, argument: str, original: BaseException | None = None):
+        super().__init__(message)
+        self.argument = argument
+        self.original = original
+
+
 class PlanError(ConcurError):
     """A generated plan failed its own consistency check (a concur bug, never a user error)."""

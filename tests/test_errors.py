@@ -7,6 +7,7 @@ printed; ``CONCUR_DEBUG=1`` chains it as ``__cause__`` so it is.
 from __future__ import annotations
 
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ import torch.nn as nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 import concur
-from concur.errors import ExampleInputError
+import concur.training.step as train_mod
+from concur.errors import BatchError, ExampleInputError
+from concur.training.batch_checks import BatchChecks
 
 
 class Branchy(nn.Module):
@@ -168,3 +171,210 @@ def test_bad_inputs_at_a_later_call_raise_what_the_model_raises():
         cm(bad)
     assert not isinstance(actual.value, concur.ConcurError)
     assert str(actual.value) == str(expected.value)
+
+
+# ---------------------------------------------------------------- train_step: setup and calls
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Conv2d(3, 4, 3, padding=1)
+        self.extra = nn.Linear(5, 4)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, v):
+        return self.head(torch.cat([self.image(x).mean(dim=(2, 3)), self.extra(v)], dim=1))
+
+
+def batch(n=2, channels=3, dtype=torch.float32, device="cpu", targets=None):
+    return (torch.randn(n, channels, 8, 8, dtype=dtype, device=device),
+            torch.randint(0, 2, (n if targets is None else targets,)))
+
+
+def make_step(model=None, example=None, **kwargs):
+    model = model or Branchy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA here: the plan runs eagerly, as a warning says
+        return concur.train_step(model, nn.CrossEntropyLoss(), optimizer, example or batch(), streams=2, **kwargs)
+
+
+def call_error(capfd, step, *batch_) -> BatchError:
+    with pytest.raises(BatchError) as info:
+        step(*batch_)
+    printed = capfd.readouterr()
+    assert printed.err == "" and printed.out == "", "torch's traceback was printed"
+    err = info.value
+    assert err.__cause__ is None and err.__suppress_context__ and isinstance(err.original, Exception)
+    assert str(err).startswith("concur: step(inputs, targets): ") and len(str(err).splitlines()) <= 3
+    # from the caller straight to the public call: none of the plan's frames (fx/weight_grads.py, ...)
+    frames = [f for f in traceback.extract_tb(info.tb) if in_concur(f)]
+    assert [f.name for f in frames] == ["__call__"], [f.name for f in traceback.extract_tb(info.tb)]
+    return err
+
+
+def test_a_batch_with_other_channels_at_a_call_names_inputs_and_the_fix(capfd):
+    step = make_step()
+    step(*batch())
+    err = call_error(capfd, step, *batch(channels=5))
+    assert err.argument == "inputs" and isinstance(err.original, RuntimeError)
+    message = str(err)
+    assert "inputs has shape [2, 5, 8, 8] where example_batch's had [2, 3, 8, 8] (dimension 1 differs)" in message
+    assert "`conv1` (Conv2d)" in message and "expected input[2, 5, 8, 8] to have 3 channels" in message
+    assert "CONCUR_DEBUG=1" in message
+
+
+def test_a_batch_of_another_dtype_or_device_names_the_fix(capfd):
+    step = make_step()
+    err = call_error(capfd, step, *batch(dtype=torch.float64))
+    assert err.argument == "inputs"
+    assert "inputs is torch.float64 but the model's parameters are torch.float32. Fix: pass " \
+           "`inputs.to(torch.float32)`" in str(err)
+    err = call_error(capfd, step, *batch(device="meta"))
+    assert "inputs is on meta but the model's parameters are on cpu. Fix: pass `inputs.to('cpu')`" in str(err)
+
+
+def test_with_several_inputs_the_error_names_the_one_at_fault(capfd):
+    x, y = batch()
+    step = make_step(TwoInputs(), ((x, torch.randn(2, 5)), y))
+    step((x, torch.randn(2, 5)), y)
+    err = call_error(capfd, step, (x, torch.randn(2, 7)), y)
+    assert err.argument == "inputs[1]" and "inputs[1] has shape [2, 7] where example_batch's had [2, 5]" in str(err)
+    assert "`extra` (Linear)" in str(err)
+
+
+def test_targets_that_do_not_fit_the_loss_at_a_call_name_targets(capfd):
+    step = make_step()
+    err = call_error(capfd, step, *batch(targets=3))
+    assert err.argument == "targets" and isinstance(err.original, ValueError)
+    assert "loss_fn fails on the model's output (float32[2, 2] on cpu) and targets (int64[3] on cpu) " \
+           "(3 targets for a batch of 2)" in str(err)
+    assert "torch raised in loss_fn: ValueError: Expected input batch_size (2) to match target batch_size (3)" \
+        in str(err)
+
+
+def test_a_failed_call_does_not_count_in_the_accumulation_cycle(capfd):
+    step = make_step(accumulate=2)
+    step(*batch())
+    call_error(capfd, step, *batch(channels=5))
+    assert step.micro == 1  # the next good batch still ends the cycle
+
+
+def test_a_new_batch_size_still_runs(capfd):
+    step = make_step()
+    assert torch.isfinite(step(*batch(n=5)))
+    assert torch.isfinite(step(*batch(n=1)))
+
+
+def test_a_failure_that_is_not_the_batchs_is_raised_unchanged():
+    # the plan fixed a batch of 2 at trace time; the model itself runs on 3: the plan is at fault, not the batch
+    model = TracesAnotherPath()
+    step = make_step(model, (torch.randn(2, 6), torch.randint(0, 2, (2,))))
+    x, y = torch.randn(3, 6), torch.randint(0, 2, (3,))
+    with pytest.raises(RuntimeError) as info:
+        step(x, y)
+    assert not isinstance(info.value, concur.ConcurError) and "shape '[2, 6]' is invalid" in str(info.value)
+
+
+def test_concur_debug_chains_torchs_error_at_a_call(monkeypatch):
+    step = make_step()
+    monkeypatch.setenv("CONCUR_DEBUG", "1")
+    with pytest.raises(BatchError) as info:
+        step(*batch(channels=5))
+    assert info.value.__cause__ is info.value.original
+    assert any(f.name == "forward" for f in traceback.extract_tb(info.value.original.__traceback__))
+
+
+def test_the_error_class_is_concurs_and_a_runtime_error():
+    assert issubclass(BatchError, concur.ConcurError) and issubclass(BatchError, RuntimeError)
+    assert concur.BatchError is BatchError
+
+
+# ---- under (emulated) CUDA graphs: a bad batch is caught before it is captured
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    from tests.test_step_habits import EmulatedGraphs
+
+    runner = EmulatedGraphs()
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    return runner
+
+
+def test_under_graphs_a_bad_batch_is_refused_before_capture_and_costs_no_streams(graphs, capfd):
+    step = make_step()
+    assert step.cuda_graph
+    step(*batch())
+    assert graphs.captures == 1
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        err = call_error(capfd, step, *batch(channels=5))
+        assert err.argument == "inputs" and "dimension 1 differs" in str(err)
+        call_error(capfd, step, *batch(targets=3))
+    assert not warned, [str(w.message) for w in warned]  # no "capturing the step with 2 stream(s) failed"
+    assert graphs.captures == 1 and not step.failed_streams and not step.eager_keys
+    step(*batch(n=5))  # a new batch size gets its own graph, on the streams asked for
+    assert graphs.captures == 2 and {c.streams for c in step.graphs.values()} == {2}
+
+
+def test_under_graphs_a_batch_is_tried_only_before_its_graph_is_captured(graphs, monkeypatch):
+    step = make_step()
+    tried = []
+    real = BatchChecks._try
+    monkeypatch.setattr(BatchChecks, "_try", lambda self, *a, **k: tried.append(1) or real(self, *a, **k))
+    for _ in range(3):
+        step(*batch())
+        step(*batch(n=5))
+    assert graphs.captures == 2 and len(tried) == 2  # replays try nothing
+
+
+def test_eagerly_a_good_call_tries_nothing(monkeypatch):
+    step = make_step()
+    monkeypatch.setattr(BatchChecks, "_try", lambda *a, **k: pytest.fail("a good batch was tried"))
+    step(*batch())
+    step(*batch(n=5))
+
+
+# ---- at setup
+
+
+def setup_frames(info) -> list[str]:
+    return [f.name for f in traceback.extract_tb(info.tb) if in_concur(f)]
+
+
+def test_targets_that_do_not_fit_the_loss_fail_at_setup(capfd):
+    with pytest.raises(ExampleInputError) as info:
+        make_step(example=batch(targets=3))
+    err = info.value
+    assert capfd.readouterr().err == ""
+    assert err.argument == "example_batch[1]" and isinstance(err.original, ValueError)
+    assert "loss_fn fails on the model's output (float32[2, 2] on cpu) and example_batch[1] (int64[3] on cpu) " \
+           "(3 targets for a batch of 2)" in str(err)
+    assert "`loss_fn(model(example_batch[0]), example_batch[1])`" in str(err)
+    assert setup_frames(info) == ["train_step", "__init__", "__init__"]
+
+
+def test_a_loss_that_is_not_one_number_fails_at_setup():
+    model = Branchy()
+    with pytest.raises(ExampleInputError, match=r"returns float32\[2\] on cpu, not one number"):
+        concur.train_step(model, nn.CrossEntropyLoss(reduction="none"), torch.optim.SGD(model.parameters(), lr=0.1),
+                          batch(), cuda_graph=False)
+
+
+def test_setup_errors_use_train_steps_argument_names(capfd):
+    with pytest.raises(ExampleInputError) as info:
+        make_step(example=batch(dtype=torch.float64))
+    err = info.value
+    assert err.argument == "example_batch[0]" and "example_inputs" not in str(err)
+    assert "example_batch[0] is torch.float64 but the model's parameters are torch.float32" in str(err)
+    assert "before concur.train_step" not in str(err) or "concur.optimize" not in str(err)
+    x, y = batch()
+    with pytest.raises(ExampleInputError) as info:
+        make_step(TwoInputs(), ((x, torch.randn(2, 5, dtype=torch.float64)), y))
+    assert info.value.argument == "example_batch[0][1]"
+    with pytest.raises(ExampleInputError) as info:
+        make_step(example=(torch.randn(2, 5, 8, 8), y))
+    assert "`model(example_batch[0])` accepts" in str(info.value) and "example_inputs" not in str(info.value)
+    assert capfd.readouterr().err == ""

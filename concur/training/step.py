@@ -49,6 +49,7 @@ from concur.training.arguments import check_arguments, check_optimizer, check_st
     split_option
 from concur.training.auto import COMPILED_MAX_STREAMS as _COMPILED_MAX_STREAMS  # noqa: F401 (tests read it here)
 from concur.training.auto import as_tuple as _as_tuple, auto_configuration
+from concur.training.batch_checks import BatchChecks
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.graph_runner import Captured, graph_runner as _graph_runner
 from concur.training.snapshot import Snapshot
@@ -103,7 +104,7 @@ class TrainStep:
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
         self.failed_streams: set[int] = set()  # stream counts whose capture failed: not tried again
-        self._module(streams)
+        self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
         if cuda_graph and self._runner is None:
@@ -256,10 +257,16 @@ class TrainStep:
         inputs = _as_tuple(inputs)
         self._check_tree()
         phase = self._phase()
-        if self.cuda_graph:
-            loss = self._graph_call(inputs, targets, phase)
-        else:
-            loss = self._eager(inputs, targets, self.module, phase)
+        try:  # a batch the model rejects raises BatchError from this line, not from deep in the plan
+            if self.cuda_graph:
+                loss = self._graph_call(inputs, targets, phase)
+            else:
+                loss = self._eager(inputs, targets, self.module, phase)
+        except Exception as exc:
+            error = self._batches.explain(exc, inputs, targets)  # None: not the batch's fault
+            if error is None:
+                raise
+            raise error
         self.micro = (self.micro + 1) % self.accumulate
         return loss
 
@@ -349,6 +356,7 @@ class TrainStep:
 
     def _capture_with_fallback(self, inputs: tuple, targets: Any, key: tuple,
                                phase: tuple[bool, bool]) -> Captured | None:
+        self._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
         attempts = [s for s in dict.fromkeys([self.requested_streams, 1]) if s not in self.failed_streams]
         for streams in attempts:
             try:
