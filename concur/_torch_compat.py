@@ -124,6 +124,21 @@ def inductor_compile_graph(gm: torch.fx.GraphModule, example_inputs: list, *args
     return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
 
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """Return a context in which tensors are real even inside a compile (AOTAutograd's fake mode is off).
+
+    Inductor compiles a forward graph while AOTAutograd's ``FakeTensorMode``
+    is active; timing its output needs real inputs and real kernels
+    (``torch._subclasses.fake_tensor.unset_fake_temporarily``).
+    """
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError as exc:  # pragma: no cover - depends on torch version
+        raise RuntimeError(f"torch {torch.__version__} has no torch._subclasses.fake_tensor."
+                           f"unset_fake_temporarily ({exc})") from exc
+    return unset_fake_temporarily()
+
+
 def aot_autograd_backend(fw_compiler, bw_compiler) -> object:
     """Return a dynamo backend running AOTAutograd with the given forward/backward compilers."""
     try:

@@ -29,8 +29,8 @@ import torch.nn as nn
 
 import schedulers
 from concur.dag.cost import Roofline
-from concur.inductor.wrapper_emit import (build_call, kept_reuses, launch_dag, place_kernels, plan_emission,
-                                          schedule_launches)
+from concur.dag.decide import schedule_graph
+from concur.inductor.wrapper_emit import build_call, kept_reuses, launch_dag, place_kernels, plan_emission
 from concur.inductor.kernel_signatures import (_cpp_pointer_dtype, _cpp_stores_only, _triton_pointer_dtype,
                                                _triton_signature, kernel_signatures)
 from concur.inductor.wrapper_parse import parse_wrapper, parse_wrapper_source, source_namespace
@@ -567,13 +567,13 @@ def test_a_real_wrapper_keeps_every_reuse_on_one_stream_and_some_on_four():
     order = [s.index for s in split.launches]
     one = plan_emission(split, schedulers.build_schedule(dag, order, dict.fromkeys(order, 0), "program"), dag)
     assert (one.reuses_kept, one.reuses_fresh) == (split.reuse_lines, 0)
-    four = schedule_launches(dag, 4, "critical_path", 0.0)
+    four = schedule_graph(dag, 4, "critical_path", 0.0)
     plan = plan_emission(split, four, dag)
     assert plan.num_streams == 4 and plan.reuses_fresh > 0
     assert plan.reuses_kept > split.reuse_lines - len(split.reuses)  # some split reuses are ordered anyway
     assert plan.reuses_kept + plan.reuses_fresh == split.reuse_lines
     assert len(kept_reuses(split, four)) == len(split.reuses) - plan.reuses_fresh
-    assert four.makespan < schedule_launches(launch_dag(chained, {}, 1.0), 4, "critical_path", 0.0).makespan
+    assert four.makespan < schedule_graph(launch_dag(chained, {}, 1.0), 4, "critical_path", 0.0).makespan
 
 
 # the tensor inductor's fx graph says a kernel stores (``%where_6 : Tensor "bf16[8, 128, 7, 7][6272, 1, 896, 128]``
@@ -634,7 +634,7 @@ def test_a_real_wrapper_renames_reuses_of_memory_no_allocator_made_as_inductor_d
     order = [s.index for s in split.launches]
     one = plan_emission(split, schedulers.build_schedule(dag, order, dict.fromkeys(order, 0), "program"), dag)
     assert (one.reuses_kept, one.reuses_fresh) == (split.reuse_lines, 0)
-    plan = plan_emission(split, schedule_launches(dag, 4, "critical_path", 0.0), dag)
+    plan = plan_emission(split, schedule_graph(dag, 4, "critical_path", 0.0), dag)
     emitted = {id(step.statement) for step in plan.steps if step.op == "stmt"}
     assert plan.num_streams == 4 and plan.reuses_kept + plan.reuses_fresh == split.reuse_lines
     assert any(id(r.fresh) in emitted for r in split.reuses if r.made_from == "stated")

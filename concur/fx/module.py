@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect as pyinspect
-import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 import schedulers
 
+from concur.dag import decide
+from concur.dag.annotate import preserved_state, tensors_in
 from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
+from concur.dag.disk_cache import JsonCache
+from concur.dag.measure import alternating_replays, can_time, environment
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
-from concur.fx.plan import Plan, analyse, build_plan, device_name
+from concur.fx.plan import Plan, analyse, device_name, generate_plan, schedule_ops
 
 FALLBACKS = ("error", "eager")
-log = logging.getLogger("concur")
 
 
 # What a ConcurModule takes from its original model: the same dict objects, so each change through
@@ -54,11 +58,13 @@ class ConcurModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
-                 cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False):
+                 cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False,
+                 measure: bool = True):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
-                                 else tuple(leaf_modules), split_weight_grads=split_weight_grads))
+                                 else tuple(leaf_modules), split_weight_grads=split_weight_grads,
+                                 measure=measure))
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
@@ -110,6 +116,47 @@ class ConcurModule(nn.Module):
                  if k not in _DERIVED and k not in self._plan_attrs and k != "_compiled_call_impl"}
         return _rebuild, (self.original, self._options), state
 
+    def _decided_plan(self, inputs: tuple) -> Plan:
+        """Trace once, schedule, and keep the multi-stream plan or one stream (:func:`concur.dag.decide.decide`).
+
+        On CUDA the two plans, both generated from the one trace, are timed
+        against each other, forward and backward, in CUDA graphs
+        (:func:`_timer`); elsewhere the prediction decides.
+        """
+        o = self._options
+        traced, dag = analyse(self.original, inputs, o["cost_model"], o["leaf_modules"])
+        self._adopt_constants(traced)
+        prologue, scheduled, schedule = schedule_ops(dag, o["streams"], o["scheduler"])
+        plan = generate_plan(self.original, traced, dag, prologue, schedule, o["split_weight_grads"])
+        if schedule.num_streams == 1:
+            return plan
+        made: list[Plan] = []
+
+        def one_stream() -> Plan:  # from the same trace, made only where it is timed or kept
+            if not made:
+                made.append(generate_plan(self.original, traced, dag, prologue,
+                                          decide.schedule_graph(scheduled, 1, o["scheduler"])))
+            return made[0]
+
+        timer, key = None, None
+        device = _cuda_device(self.original, inputs)
+        if o.get("measure", True) and can_time(device):
+            timer = _timer(self, one_stream, plan, inputs, device)
+            key = _decision_key(self.original, traced, inputs, plan, device)
+        decision = decide.decide(f"concur.optimize of {type(self.original).__name__}",
+                                 decide.predict(scheduled, schedule), timer=timer,
+                                 cache=JsonCache() if timer is not None else None, key=key)
+        return plan if decision.keep else one_stream()
+
+    def _adopt_constants(self, traced: fx.GraphModule) -> None:
+        """Put the trace's fx-made constants on self, where the generated code reads them."""
+        for node in traced.graph.nodes:
+            if node.op == "get_attr":
+                atom = str(node.target).split(".")[0]
+                if atom not in self.__dict__ and not hasattr(self.original, atom):
+                    object.__setattr__(self, atom, getattr(traced, atom))
+                    self._plan_attrs.add(atom)
+
     def _mode_key(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.modules())
 
@@ -117,20 +164,7 @@ class ConcurModule(nn.Module):
         key = self._mode_key()
         plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(self.original, inputs, **self._options)
-            if plan.schedule.num_streams > 1:
-                speedup = predicted_speedup(plan)
-                if speedup < 1.0:  # side streams would only add waits: never slower than one stream
-                    log.info("concur.optimize: %s runs on one stream: its %d-stream plan is predicted at "
-                             "%.2fx of one stream (kernels sharing the device)", type(self.original).__name__,
-                             plan.schedule.num_streams, speedup)
-                    plan = build_plan(self.original, inputs, **{**self._options, "streams": 1})
-            for node in plan.traced.graph.nodes:  # fx-made constants live on the traced root
-                if node.op == "get_attr":
-                    atom = str(node.target).split(".")[0]
-                    if atom not in self.__dict__ and not hasattr(self.original, atom):
-                        object.__setattr__(self, atom, getattr(plan.traced, atom))
-                        self._plan_attrs.add(atom)
+            plan = self._decided_plan(inputs)
             self._plan_attrs.add(plan.runtime_attr)
             self._plans[key] = plan
         return plan
@@ -169,17 +203,65 @@ class ConcurModule(nn.Module):
             raise
 
 
-def predicted_speedup(plan: Plan) -> float:
-    """Return one stream's predicted time over the plan's, concurrent kernels sharing the device.
+def _cuda_device(model: nn.Module, inputs: tuple) -> torch.device | None:
+    """Return the CUDA device the inputs or the model are on, or None."""
+    tensors = tensors_in(inputs) + list(model.parameters())[:1]
+    return next((t.device for t in tensors if t.is_cuda), None)
 
-    The contention-aware prediction (:func:`schedulers.simulate_shared`, each
-    wait costing the schedule's ``sync_cost``), not the ideal one: a plan whose
-    kernels already fill the device gains nothing on side streams and pays for
-    every wait.
+
+def _run(module: "ConcurModule", plan: Plan, inputs: tuple) -> None:
+    """Run ``plan``'s forward on ``inputs`` and, where its outputs need gradients, a backward of ones."""
+    object.__setattr__(module, plan.runtime_attr, plan.runtime)
+    outputs = [t for t in tensors_in(plan.forward(module, *inputs)) if t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Leave the model's buffers, RNG and gradients as they were: timing is no training step."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with preserved_state(model, {device}):
+            yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def _timer(module: "ConcurModule", one_stream: Callable[[], Plan], streams: Plan, inputs: tuple,
+           device: torch.device) -> decide.Timer:
+    """Return a timer of the one-stream and the multi-stream plan (forward, and backward where it applies)."""
+    def timer() -> list[tuple[float, float]]:
+        one = one_stream()
+        with _state_kept(module.original, device):
+            return alternating_replays(lambda: _run(module, one, inputs), lambda: _run(module, streams, inputs),
+                                       device)
+
+    return timer
+
+
+def _decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plan: Plan,
+                  device: torch.device) -> str:
+    """Return the cache key of a measured decision: graph, modules, shapes and dtypes, precision, plan, GPU, torch.
+
+    The traced code names the modules it calls; their settings
+    (``extra_repr``), modes and parameter shapes and dtypes, the inputs'
+    shapes, strides and dtypes, autocast and grad mode say what each call
+    computes, so a new batch size, dtype or model finds no stale decision.
     """
-    serial_us = sum(float(plan.dag.nodes[v].get("cost") or 0.0) for v in plan.schedule.order)
-    span = schedulers.simulate_shared(plan.dag, plan.schedule)
-    return serial_us / span if span > 0 else 1.0
+    modules = tuple((name, type(m).__qualname__, m.extra_repr(), m.training) for name, m in model.named_modules())
+    state = tuple((name, tuple(t.shape), str(t.dtype)) for name, t in
+                  [*model.named_parameters(), *model.named_buffers()])
+    shapes = tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad) for t in tensors_in(inputs))
+    precision = (torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
+                 str(torch.get_autocast_dtype(device.type)))
+    return decide.decision_key("fx", traced.code, modules, state, shapes, precision, plan.schedule.order,
+                               sorted(plan.schedule.stream.items()), plan.weight_grad_splits, environment(device),
+                               decide.MARGIN)
 
 
 def _rebuild(model: nn.Module, options: dict) -> ConcurModule:
@@ -217,7 +299,8 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 
 def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
-             leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False) -> nn.Module:
+             leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
+             measure: bool = True) -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -227,9 +310,14 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     in ``auto_leaves``. ``fallback="eager"`` returns ``model`` itself, with a
     warning, when it cannot be traced.
 
-    Never slower by prediction: a plan whose contention-aware predicted
-    speedup (:func:`predicted_speedup`) is below 1.0 is replaced by one
-    stream, and one info line on the ``concur`` logger says so.
+    Never slower than one stream: a plan whose contention-aware predicted
+    speedup is below 1.0 is replaced by one stream, generated from the same
+    trace. On CUDA, with ``measure=True`` (the default), a plan predicted
+    faster is then timed against the one-stream plan, forward and backward,
+    each captured in a CUDA graph, in alternating replays, and kept only if
+    its median is more than 1% faster; the answer is cached on disk per
+    graph, shapes, dtypes, GPU and torch (:mod:`concur.dag.decide`). One
+    info line on the ``concur`` logger gives each decision and its times.
 
     ``split_weight_grads=True`` runs the weight (and bias) gradients of plain
     ``nn.Conv2d`` and ``nn.Linear`` layers on one more, low-priority stream in
@@ -247,7 +335,8 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     if scheduler not in schedulers.SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
     try:
-        return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads)
+        return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads,
+                            measure)
     except CaptureError as exc:
         if fallback == "eager":
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",

@@ -1,5 +1,5 @@
 """Build a concurrent plan: trace → annotate → DAG → costs → schedule → generated code (weight gradients
-split off), all checked."""
+split off), all checked; one trace serves every plan of it (:func:`generate_plan`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.fx as fx
 import schedulers
 from schedulers import Schedule
 
+from concur.dag import decide
 from concur.dag.annotate import OpFailed, annotate, preserved_state, tensors_in
 from concur.dag.cost import AnalyticCost, CostModel, assign_costs, roofline_for
 from concur.dag.hazards import build_dag, is_free_source
@@ -164,10 +165,48 @@ def hoistable(dag: nx.DiGraph) -> frozenset[str]:
     return frozenset(n for n in dag if is_free_source(dag, n))
 
 
+def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str) -> tuple[frozenset[str], nx.DiGraph, Schedule]:
+    """Return (the prologue, the DAG without it, its schedule on up to ``streams`` streams).
+
+    The prologue (:func:`hoistable`) runs before the fork, so it is not
+    scheduled; ops are scheduled one by one (:func:`concur.dag.decide.schedule_graph`).
+    """
+    prologue = hoistable(dag)
+    scheduled = dag.subgraph(n for n in dag if n not in prologue).copy()
+    return prologue, scheduled, decide.schedule_graph(scheduled, streams, scheduler)
+
+
+def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGraph, prologue: frozenset[str],
+                  schedule: Schedule, split_weight_grads: bool = False) -> Plan:
+    """Return the verified plan running ``traced`` (analysed as ``dag``) in ``schedule``.
+
+    ``traced`` is not changed, so one trace gives several plans (the
+    multi-stream one, and one stream to fall back to or to time against).
+
+    Raises:
+        PlanError: the schedule or the generated code violates a dependency (a concur bug).
+    """
+    scheduled = dag.subgraph(n for n in dag if n not in prologue)
+    problems = schedulers.validate(scheduled, schedule)
+    runtime_attr = f"_concur_runtime_{next(_plan_ids)}"
+    graph = generate(traced.graph, schedule, runtime_attr, prologue)
+    splits = split_weight_gradients(graph, model, runtime_attr) \
+        if split_weight_grads and schedule.num_streams > 1 else 0
+    problems += verify_generated(graph, dag, schedule.num_streams)
+    if problems:
+        raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
+                        f"({schedule.scheduler}, {schedule.num_streams} streams); please report this bug: "
+                        f"{problems[:5]}")
+    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0)
+    setattr(traced, runtime_attr, runtime)
+    generated = fx.GraphModule(traced, graph, f"Concur{type(model).__name__}")
+    return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits)
+
+
 def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                cost_model: CostModel | None = None, leaf_modules: LeafSpec = (),
                split_weight_grads: bool = False) -> Plan:
-    """Return a verified plan running ``model`` on up to ``streams`` streams.
+    """Return a verified plan running ``model`` on up to ``streams`` streams, with no keep-or-drop decision.
 
     With ``split_weight_grads`` and more than one stream, the weight gradients
     of plain Conv2d/Linear layers run on one more stream in backward
@@ -179,19 +218,5 @@ def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, sche
         PlanError: the schedule or the generated code violates a dependency (a concur bug).
     """
     traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
-    prologue = hoistable(dag)
-    scheduled = dag.subgraph(n for n in dag if n not in prologue).copy()
-    schedule = schedulers.schedule(scheduled, streams, scheduler)
-    problems = schedulers.validate(scheduled, schedule)
-    runtime_attr = f"_concur_runtime_{next(_plan_ids)}"
-    graph = generate(traced.graph, schedule, runtime_attr, prologue)
-    splits = split_weight_gradients(graph, model, runtime_attr) \
-        if split_weight_grads and schedule.num_streams > 1 else 0
-    problems += verify_generated(graph, dag, schedule.num_streams)
-    if problems:
-        raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
-                        f"({scheduler}, {streams} streams); please report this bug: {problems[:5]}")
-    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0)
-    setattr(traced, runtime_attr, runtime)
-    generated = fx.GraphModule(traced, graph, f"Concur{type(model).__name__}")
-    return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits)
+    prologue, _, schedule = schedule_ops(dag, streams, scheduler)
+    return generate_plan(model, traced, dag, prologue, schedule, split_weight_grads)

@@ -9,8 +9,9 @@ kernels themselves are inductor's.
 
 A graph with nothing to put on streams (fewer than two launches,
 ``streams=1``, a schedule that uses one stream, a predicted gain below
-``min_predicted_speedup``) runs inductor's own call without a word; the
-reason is kept in :attr:`ConcurBackend.graphs`. A graph concur cannot
+``min_predicted_speedup``, or on CUDA a plan measured no faster than
+inductor's own call: :mod:`concur.dag.decide`) runs inductor's own call
+without a warning; the reason is kept in :attr:`ConcurBackend.graphs`. A graph concur cannot
 schedule (symbolic shapes, a wrapper it does not fully read, a plan its
 barriers serialize) runs inductor's own call too, with one warning naming
 why; results never differ from inductor's.
@@ -31,14 +32,17 @@ import torch.fx as fx
 import schedulers
 
 from concur import _torch_compat as compat
+from concur.dag import decide
 from concur.dag.cost import Roofline, roofline_for
+from concur.dag.disk_cache import JsonCache
+from concur.dag.measure import boxed_timer, can_time, environment
 from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
 from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
 from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
-DEFAULT_MIN_PREDICTED_SPEEDUP = 1.0
+DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP
 
 BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule orders it (BackendOptions.buffer_reuse)
 
@@ -74,6 +78,10 @@ class BackendOptions:
     # weight(+bias)-gradient calls (concur.inductor.weight_grads), so the weight part can leave the
     # critical path for a side stream. Same kernels, one more launch per convolution.
     split_weight_grads: bool = True
+    # On CUDA, the wrapper route times inductor's own call against the rewritten one (CUDA graphs,
+    # alternating replays) before it keeps a plan the prediction let through, and keeps the faster;
+    # the answer is cached on disk (concur.dag.decide, concur.dag.measure). False: the prediction decides.
+    measure: bool = True
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class CompiledGraphInfo:
     # made fresh allocations because the streams do not order the two buffers (buffer_reuse="ordered")
     reuses_kept: int = 0
     reuses_fresh: int = 0
+    # what the keep-or-drop decision rested on: "prediction", "measurement" or "cache" ("" if none was made)
+    decided_by: str = ""
+    measured_speedup: float | None = None  # one stream's measured time over the plan's, where it was timed
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -206,7 +217,8 @@ class ConcurBackend:
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
         try:
             placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
-                                   split_reuses=ordered)
+                                   split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
+                                   f"graph of {num_ops} ops", **self._measuring(example_inputs, is_backward))
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
             self._fall_back(is_backward, num_ops, _describe(exc))
             return compiled
@@ -221,8 +233,30 @@ class ConcurBackend:
             is_backward, num_ops, placed.num_launches, plan.num_streams if placed.installed else 1,
             plan.num_waits if placed.installed else 0, None, plan.ideal_speedup if plan else 1.0,
             plan.predicted_speedup if plan else 1.0, plan.num_barriers if plan else 0, placed.one_stream,
-            reuses_kept=placed.reuses_kept, reuses_fresh=placed.reuses_fresh))
+            reuses_kept=placed.reuses_kept, reuses_fresh=placed.reuses_fresh,
+            decided_by=placed.decision.source if placed.decision else "",
+            measured_speedup=placed.decision.measured.speedup if placed.decision and placed.decision.measured
+            else None))
         return compiled
+
+    def _measuring(self, example_inputs: Sequence[Any], is_backward: bool) -> dict[str, Any]:
+        """Return how :func:`place_kernels` times and caches its decision here: nothing without a GPU.
+
+        The cache key holds every input's shape, stride and dtype besides the
+        wrapper's source (which place_kernels adds), the device and torch, so
+        a new batch size, dtype or model is timed afresh.
+        """
+        device = _device_of(example_inputs)
+        if not self.options.measure or not can_time(device):
+            return {}
+        inputs = tuple((tuple(x.shape), tuple(x.stride()), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+                       for x in example_inputs)
+
+        def timer(one: Callable[[list], Any], streams: Callable[[list], Any]) -> decide.Timer:
+            return boxed_timer(one, streams, example_inputs, device)
+
+        return {"measure": timer, "cache": JsonCache(),
+                "key_parts": (is_backward, inputs, environment(device), decide.MARGIN)}
 
     def _compile_stamped(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool, num_ops: int,
                          args: tuple, kwargs: dict) -> Any:
@@ -287,7 +321,7 @@ def _code(node: ast.stmt) -> str:
 
 def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
             min_predicted_speedup: float | None = None, buffer_reuse: bool | str = BUFFER_REUSE_ORDERED,
-            route: str = "wrapper", split_weight_grads: bool = True) -> ConcurBackend:
+            route: str = "wrapper", split_weight_grads: bool = True, measure: bool = True) -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
 
     ``torch.compile(model, backend=concur.backend(streams=4))``; the name
@@ -327,10 +361,21 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     weight part can run beside the rest of the backward pass
     (:mod:`concur.inductor.weight_grads`); ``False`` keeps AOTAutograd's
     joint calls.
+
+    ``measure=True`` (the default): on CUDA, a plan the prediction lets
+    through is timed against inductor's own call of the same compile, both
+    in CUDA graphs, in alternating replays, and kept only if its median is
+    more than 1% faster (:mod:`concur.dag.decide`); the answer is cached
+    per graph, input shapes and dtypes, GPU and torch under
+    ``$CONCUR_CACHE_DIR`` (:func:`concur.observe.tune_cache.clear_cache`
+    removes it). Without a
+    GPU, or with ``False``, the prediction decides. The stamped route
+    always lets the prediction decide: its one-stream program would need a
+    second compile.
     """
     gate = DEFAULT_MIN_PREDICTED_SPEEDUP if min_predicted_speedup is None else min_predicted_speedup
     return ConcurBackend(BackendOptions(streams, scheduler, roofline, gate, buffer_reuse, route,
-                                        split_weight_grads))
+                                        split_weight_grads, measure))
 
 
 def concur_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

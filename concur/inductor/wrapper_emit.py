@@ -7,8 +7,8 @@ streams of the launches in the generated ``call`` function:
 1. :mod:`concur.inductor.wrapper_parse` lists the launches with the storage groups
    each reads and writes; read/write conflicts give the dependency DAG;
 2. the DAG, costed from the fx nodes inductor names above each launch
-   (:mod:`concur.inductor.aten_dag`), is scheduled by the same :mod:`schedulers` as
-   every other path;
+   (:mod:`concur.inductor.aten_dag`), is scheduled, and the plan kept or
+   dropped, by :mod:`concur.dag.decide`, as on every other path;
 3. host statements (allocations, aliases, shape checks) go right before the
    first launch that touches their storage, on its stream (an allocation's
    stream is where the caching allocator will reuse it), and each ``del`` right
@@ -41,7 +41,6 @@ from __future__ import annotations
 import ast
 import copy
 import itertools
-import logging
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -51,14 +50,11 @@ import networkx as nx
 import schedulers
 
 from concur import _torch_compat as compat
+from concur.dag import decide
 from concur.dag.cost import Roofline
 from concur.dag.hazards import hazard_edges
 from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement, parse_wrapper
 from concur.streams import StreamRuntime
-
-log = logging.getLogger("concur")
-
-_MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launches (an event each way)
 
 
 @dataclass(frozen=True)
@@ -107,12 +103,6 @@ def launch_dag(program: KernelProgram, node_costs: Mapping[str, tuple[float, dic
     for u, v in hazard_edges((s.index, s.reads, s.writes) for s in program.launches):
         dag.add_edge(u, v)
     return dag
-
-
-def schedule_launches(dag: nx.DiGraph, streams: int, scheduler: str, min_cost: float) -> schedulers.Schedule:
-    """Schedule the launch DAG, in clusters worth a stream switch (see :func:`schedulers.coarsen`)."""
-    coarse = schedulers.coarsen(dag, min_cost=min_cost)
-    return schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, streams, scheduler))
 
 
 def kept_reuses(program: KernelProgram, schedule: schedulers.Schedule) -> frozenset[int]:
@@ -167,33 +157,49 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     stream that touched any group living in it is recorded when a name of
     it dies.
 
+    Four phases: host statements are anchored to launches
+    (:func:`_sequence`), each ``del`` goes after the last statement naming
+    it (:func:`_dels_after`), stream switches, waits, records and
+    ``record_stream`` protections are emitted (:class:`_Emitter`), and the
+    result is replayed against the DAG (:func:`_check_plan`).
+
     Raises:
         ValueError: the result would use a name before binding it or after deleting it, break a
             dependency or keep a reuse its steps do not order (a concur bug).
     """
     kept = kept_reuses(program, schedule)
     fresh = {r.statement: r.fresh for r in program.reuses if r.statement not in kept}
-    statements = [fresh.get(s.index, s) if s.kind == "host" else s for s in program.statements]
-    storage = _storages(program, kept)
+    statements = sorted((fresh.get(s.index, s) if s.kind == "host" else s for s in program.statements),
+                        key=lambda s: s.index)
+    sequence = _sequence(program, schedule, statements)
+    dels = [s for s in statements if s.kind == "del"]
+    emitter = _Emitter(schedule, _storages(program, kept))
+    steps = emitter.emit(sequence, _dels_after(sequence, dels))
+    at_end = emitter.protect_at_end(program, sequence, dels)
+    _check_plan(program, kept, dag, steps)
+    prediction = decide.predict(dag, schedule)
+    return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(emitter.events),
+                            len(schedule.waits), len(program.launches),
+                            sum(1 for s in program.launches if s.kind == "barrier"), prediction.ideal_speedup,
+                            prediction.speedup, program.reuse_lines - len(fresh), len(fresh))
 
-    def root(group: str) -> str:
-        return storage.get(group, group)
 
+def _sequence(program: KernelProgram, schedule: schedulers.Schedule,
+              statements: list[Statement]) -> list[tuple[Statement, int]]:
+    """Return every statement but the ``del``s in issue order, with the stream it runs on.
+
+    A host statement goes right before the first launch (in issue order)
+    that touches its storage and comes after whatever binds the names it
+    uses; one that touches no storage and uses no launch's result goes at
+    the start, one no later launch touches at the end, both on the caller's
+    stream.
+    """
     launches = {s.index: s for s in program.launches}
     position = {v: i for i, v in enumerate(schedule.order)}
     end = len(schedule.order)
-    events = {}
-    for w in schedule.waits:
-        events.setdefault(w.producer, len(events))
-    waits_of: dict[Any, list[int]] = {}
-    for w in schedule.waits:
-        waits_of.setdefault(w.consumer, []).append(events[w.producer])
-
-    # where each host statement goes: before the launch at anchor[i] (-1: at the start, end: after all)
-    anchor: dict[int, int] = {}
+    anchor: dict[int, int] = {}  # host statement -> position of the launch it goes before (-1: start, end: after all)
     binder_position: dict[str, int] = {}  # name -> issue position after which it is bound
-    ordered = sorted(statements, key=lambda s: s.index)
-    for s in ordered:
+    for s in statements:
         if s.is_launch:
             for name in s.binds:
                 binder_position[name] = position[s.index] + 1
@@ -211,19 +217,20 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
             binder_position[name] = max(anchor[s.index], 0)
 
     hosts_at: dict[int, list[Statement]] = {}
-    for s in ordered:
+    for s in statements:
         if s.index in anchor:
             hosts_at.setdefault(anchor[s.index], []).append(s)
-
-    # the sequence without dels, with the stream each statement runs on
     sequence: list[tuple[Statement, int]] = [(s, 0) for s in hosts_at.get(-1, [])]
     for v in schedule.order:
         stream = schedule.stream[v]
         sequence += [(s, stream) for s in hosts_at.get(position[v], [])]
         sequence.append((launches[v], stream))
     sequence += [(s, 0) for s in hosts_at.get(end, [])]
+    return sequence
 
-    dels = [s for s in ordered if s.kind == "del"]
+
+def _dels_after(sequence: list[tuple[Statement, int]], dels: list[Statement]) -> dict[int, list[Statement]]:
+    """Return {position in ``sequence``: the ``del`` statements right after it} (-1: before everything)."""
     last_use: dict[str, int] = {}
     for i, (s, _) in enumerate(sequence):
         for name in s.uses | s.binds:
@@ -232,65 +239,97 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     for d in dels:
         (name,) = tuple(d.uses)
         dels_after.setdefault(last_use.get(name, -1), []).append(d)
+    return dels_after
 
-    steps: list[Emit] = []
-    home: dict[str, int] = {}  # storage -> the stream its allocation was placed on (inputs: the caller's, 0)
-    touched: dict[str, set[int]] = {}  # storage -> streams whose launches touched it
-    current = 0
 
-    def others(groups) -> tuple[int, ...]:
-        return tuple(sorted({t for g in groups for t in touched.get(root(g), ()) if t != home.get(root(g), 0)}))
+class _Emitter:
+    """Turns the placed statements into :class:`Emit` steps, tracking which streams touched each storage.
 
-    def release(d: Statement) -> None:
+    A storage's home is the stream its allocation was placed on (inputs:
+    the caller's, 0); when a name of it dies, every other stream that
+    touched it is recorded on it (``protect``), so the caching allocator
+    does not hand its memory to the home stream while another still uses it.
+    """
+
+    def __init__(self, schedule: schedulers.Schedule, storage: Mapping[str, str]):
+        self.storage = storage
+        self.events: dict[Any, int] = {}
+        for w in schedule.waits:
+            self.events.setdefault(w.producer, len(self.events))
+        self.waits_of: dict[Any, list[int]] = {}
+        for w in schedule.waits:
+            self.waits_of.setdefault(w.consumer, []).append(self.events[w.producer])
+        self.home: dict[str, int] = {}
+        self.touched: dict[str, set[int]] = {}
+        self.steps: list[Emit] = []
+
+    def root(self, group: str) -> str:
+        return self.storage.get(group, group)
+
+    def others(self, groups: Iterable[str]) -> tuple[int, ...]:
+        """Return the streams other than their storage's home that touched ``groups``."""
+        return tuple(sorted({t for g in groups for t in self.touched.get(self.root(g), ())
+                             if t != self.home.get(self.root(g), 0)}))
+
+    def release(self, d: Statement) -> None:
         (name,) = tuple(d.uses)
-        streams = others(d.groups)
+        streams = self.others(d.groups)
         if streams:
-            steps.append(Emit("protect", name=name, streams=streams))
-        steps.append(Emit("stmt", d))
+            self.steps.append(Emit("protect", name=name, streams=streams))
+        self.steps.append(Emit("stmt", d))
 
-    for d in dels_after.get(-1, []):
-        release(d)
-    for i, (s, stream) in enumerate(sequence):
-        if stream != current:
-            steps.append(Emit("switch", index=stream))
-            current = stream
-        if s.is_launch:
-            steps += [Emit("wait", index=e) for e in waits_of.get(s.index, [])]
-        steps.append(Emit("stmt", s))
-        for g in s.fresh:
-            home[root(g)] = stream
-        if s.is_launch:
-            for g in s.groups | s.reads | s.writes:
-                touched.setdefault(root(g), set()).add(stream)
-            if s.index in events:
-                steps.append(Emit("record", index=events[s.index]))
-        for d in dels_after.get(i, []):
-            release(d)
+    def emit(self, sequence: list[tuple[Statement, int]], dels_after: Mapping[int, list[Statement]]) -> list[Emit]:
+        """Return the steps of ``sequence``, switching streams as it goes, each ``del`` where ``dels_after`` puts it."""
+        current = 0
+        for d in dels_after.get(-1, []):
+            self.release(d)
+        for i, (s, stream) in enumerate(sequence):
+            if stream != current:
+                self.steps.append(Emit("switch", index=stream))
+                current = stream
+            if s.is_launch:
+                self.steps += [Emit("wait", index=e) for e in self.waits_of.get(s.index, [])]
+            self.steps.append(Emit("stmt", s))
+            for g in s.fresh:
+                self.home[self.root(g)] = stream
+            if s.is_launch:
+                for g in s.groups | s.reads | s.writes:
+                    self.touched.setdefault(self.root(g), set()).add(stream)
+                if s.index in self.events:
+                    self.steps.append(Emit("record", index=self.events[s.index]))
+            for d in dels_after.get(i, []):
+                self.release(d)
+        return self.steps
 
-    deleted = {n for d in dels for n in d.uses}
-    group_of = {name: name for name in program.inputs}
-    for s, _ in sequence:
-        for name in s.binds:
-            group_of[name] = s.bind_group
-    at_end = []
-    for name in sorted(set(group_of) - deleted):
-        g = group_of[name]
-        streams = others({g}) if g else ()
-        if streams:
-            at_end.append((name, streams))
+    def protect_at_end(self, program: KernelProgram, sequence: list[tuple[Statement, int]],
+                       dels: list[Statement]) -> list[tuple[str, tuple[int, ...]]]:
+        """Return the names alive at the end (outputs, inputs) that other streams than their home touched."""
+        deleted = {n for d in dels for n in d.uses}
+        group_of = {name: name for name in program.inputs}
+        for s, _ in sequence:
+            for name in s.binds:
+                group_of[name] = s.bind_group
+        at_end = []
+        for name in sorted(set(group_of) - deleted):
+            g = group_of[name]
+            streams = self.others({g}) if g else ()
+            if streams:
+                at_end.append((name, streams))
+        return at_end
+
+
+def _check_plan(program: KernelProgram, kept: frozenset[int], dag: nx.DiGraph, steps: list[Emit]) -> None:
+    """Check the steps bind every name before use, keep every dependency and order every kept reuse.
+
+    Raises:
+        ValueError: any of them fails (a concur bug).
+    """
     _check_names(program, steps)
     issued = _issue_steps(steps)
     problems = schedulers.replay(dag, issued).problems
     if problems:
         raise ValueError(f"the rewritten call breaks a dependency (a concur bug, please report it): {problems[:3]}")
     _check_kept_reuses(program, kept, dag, issued)
-    barriers = sum(1 for s in program.launches if s.kind == "barrier")
-    serial_us = schedulers.serial(dag).makespan
-    ideal = serial_us / schedule.makespan if schedule.makespan > 0 else 1.0
-    shared = schedulers.simulate_shared(dag, schedule)
-    predicted = serial_us / shared if shared > 0 else 1.0
-    return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(events), len(schedule.waits),
-                            len(launches), barriers, ideal, predicted, program.reuse_lines - len(fresh), len(fresh))
 
 
 def _check_kept_reuses(program: KernelProgram, kept: frozenset[int], dag: nx.DiGraph,
@@ -452,6 +491,7 @@ class PlacedKernels:
     # inductor's reuse lines in what runs: kept as written, or (installed plans only) made fresh allocations
     reuses_kept: int = 0
     reuses_fresh: int = 0
+    decision: decide.Decision | None = None  # None where there was nothing to decide
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
@@ -461,19 +501,30 @@ def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, s
     rest = [v for v in dag if not dag.nodes[v]["barrier"]]
     if not barriers or len(rest) < 2:
         return None
-    unbarred = schedule_launches(dag.subgraph(rest).copy(), streams, scheduler, min_cost)
+    unbarred = decide.schedule_graph(dag.subgraph(rest).copy(), streams, scheduler, min_cost)
     return barriers[0] if unbarred.num_streams > 1 else None
 
 
+# Times a compiled graph's own call (one stream) against the rewritten one: (one, streams) -> timer.
+Measure = Callable[[Callable[[list], Any], Callable[[list], Any]], decide.Timer]
+
+
 def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int,
-                  scheduler: str, min_predicted_speedup: float = 1.0, split_reuses: bool = False) -> PlacedKernels:
+                  scheduler: str, min_predicted_speedup: float = decide.MIN_SPEEDUP, split_reuses: bool = False, *,
+                  label: str = "a graph", measure: Measure | None = None, cache: decide.DecisionCache | None = None,
+                  key_parts: tuple = ()) -> PlacedKernels:
     """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
 
     The graph keeps running inductor's own call when it has fewer than two
-    launches, when the schedule uses one stream or when it predicts less
-    than ``min_predicted_speedup`` (kernels sharing the device); the result
-    says why (``one_stream``), and names the barrier when barriers are what
-    put a branchy graph on one stream (``serialized_by``).
+    launches, or when :func:`concur.dag.decide.decide` drops its plan: the
+    schedule uses one stream, it predicts less than
+    ``min_predicted_speedup`` (kernels sharing the device), or, with
+    ``measure``, inductor's own call measured at least as fast as the
+    rewritten one. The result says why (``one_stream``), and names the
+    barrier when barriers are what put a branchy graph on one stream
+    (``serialized_by``). A measurement is cached under a key of the
+    wrapper's source, the plan and ``key_parts`` (the inputs' shapes and
+    dtypes, the device, torch).
 
     With ``split_reuses``, the launches are scheduled as if each renameable
     reuse line were a fresh allocation, and the plan keeps the reuses its
@@ -491,8 +542,8 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                                                     "nothing to put on streams", reuses_kept=as_written)
     check_streams(program)
     dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
-    min_cost = _MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
-    schedule = schedule_launches(dag, streams, scheduler, min_cost)
+    min_cost = decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
+    schedule = decide.schedule_graph(dag, streams, scheduler, min_cost)
     problems = schedulers.validate(dag, schedule)
     if problems:
         raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
@@ -500,12 +551,20 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     if plan.num_streams == 1:
         return PlacedKernels(plan, False, launches, "the schedule uses one stream",
                              serializing_barrier(program, dag, streams, scheduler, min_cost), as_written)
-    gate = max(min_predicted_speedup, 1.0)  # a plan predicted slower than one stream is never installed
-    if plan.predicted_speedup < gate * (1 - 1e-9):  # a makespan summed another way is not slower
-        reason = (f"its {plan.num_streams}-stream plan is predicted at {plan.predicted_speedup:.2f}x of one stream "
-                  f"(kernels sharing the device), below {gate:g}x")
-        log.info("concur backend: a graph of %d launches keeps one stream: %s", launches, reason)
-        return PlacedKernels(plan, False, launches, reason, reuses_kept=as_written)
-    call, _ = build_call(program, plan, namespace, bound_to)
+    built: list = []
+
+    def timer() -> Any:  # the rewritten call is built only where something is timed
+        built.append(build_call(program, plan, namespace, bound_to)[0])
+        return measure(compiled, built[0])()
+
+    key = decide.decision_key("wrapper", source, schedule.order, sorted(schedule.stream.items(), key=repr),
+                              *key_parts) if measure is not None else None
+    decision = decide.decide(f"{label} ({launches} launches)", decide.predict(dag, schedule),
+                             min_speedup=min_predicted_speedup, timer=timer if measure is not None else None,
+                             cache=cache, key=key)
+    if not decision.keep:
+        return PlacedKernels(plan, False, launches, decision.reason, reuses_kept=as_written, decision=decision)
+    call = built[0] if built else build_call(program, plan, namespace, bound_to)[0]
     replace(call)
-    return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh)
+    return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
+                         decision=decision)

@@ -10,26 +10,15 @@ dtypes, GPU name, torch version) and nothing that does not (parameter values).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import tempfile
-import warnings
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from concur.dag.annotate import tensors_in
+from concur.dag.disk_cache import FORMAT, JsonCache, default_cache_dir
 
-FORMAT = 1
-
-
-def default_cache_dir() -> Path:
-    """Return ``$CONCUR_CACHE_DIR``, else ``$XDG_CACHE_HOME/concur``, else ``~/.cache/concur``."""
-    if os.environ.get("CONCUR_CACHE_DIR"):
-        return Path(os.environ["CONCUR_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "concur"
+__all__ = ["FORMAT", "TunerCache", "cache_key", "clear_cache", "default_cache_dir"]
 
 
 def cache_key(model: torch.nn.Module, example_batch: Any, device_name: str,
@@ -59,52 +48,15 @@ def cache_key(model: torch.nn.Module, example_batch: Any, device_name: str,
     return h.hexdigest()[:32]
 
 
-class TunerCache:
+class TunerCache(JsonCache):
     """Tuning results on disk under ``directory/tuner/<key>.json``; unreadable entries count as misses."""
 
-    def __init__(self, directory: str | os.PathLike | None = None):
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
-        self.path = self.directory / "tuner"
-
-    def _file(self, key: str) -> Path:
-        return self.path / f"{key}.json"
-
-    def get(self, key: str) -> dict | None:
-        """Return the stored result for ``key``, or None."""
-        file = self._file(key)
-        if not file.exists():
-            return None
-        try:
-            entry = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
-            warnings.warn(f"concur tuner cache: ignoring unreadable {file} ({exc}); tuning again.",
-                          RuntimeWarning, stacklevel=2)
-            return None
-        if entry.get("format") != FORMAT:
-            return None
-        return entry["result"]
-
-    def put(self, key: str, result: dict) -> Path:
-        """Store ``result`` for ``key`` atomically (a crash never leaves half a file) and return its path."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": FORMAT, "result": result}, f, indent=1)
-        os.replace(tmp, self._file(key))
-        return self._file(key)
-
-    def entries(self) -> list[Path]:
-        """Return the cache files."""
-        return sorted(self.path.glob("*.json")) if self.path.exists() else []
-
-    def clear(self) -> int:
-        """Delete every cached result; return how many were deleted."""
-        files = self.entries()
-        for f in files:
-            f.unlink(missing_ok=True)
-        return len(files)
+    kind = "tuner"
 
 
 def clear_cache(cache_dir: str | os.PathLike | None = None) -> int:
-    """Delete the tuner's cached choices (default directory: see :func:`default_cache_dir`)."""
-    return TunerCache(cache_dir).clear()
+    """Delete the tuner's cached choices and the measured stream decisions; return how many.
+
+    Default directory: see :func:`default_cache_dir`.
+    """
+    return TunerCache(cache_dir).clear() + JsonCache(cache_dir, "decisions").clear()

@@ -1,0 +1,125 @@
+"""Time a one-stream and a multi-stream program against each other on a GPU, for :mod:`concur.dag.decide`.
+
+Both programs are captured in CUDA graphs, as the training step runs them
+(``train_step`` replays one graph per step), so the host's launch cost, which
+a graph replay does not pay, takes no part. Their replays then alternate:
+round ``r`` times a block of replays of each, the first program first in
+even rounds and second in odd ones, so a clock or temperature drift falls on
+both alike. Each round gives one time per program (ms per replay); the
+decision takes the medians.
+
+What runs here must not change what the user sees: the programs run on
+inputs made for the purpose (:func:`real_inputs`), or the caller restores
+its state around them (the fx path), and nothing runs while a CUDA graph is
+being captured (:func:`can_time`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+
+from concur import _torch_compat as compat
+from concur.dag.decide import Timer
+
+ROUNDS = 7     # rounds of alternating replays; the decision takes their median
+REPLAYS = 5    # replays of each program per round, timed as one interval
+WARMUP = 3     # calls of each program before capture (allocator, autotuning, lazy init)
+# CONCUR_MEASURE=0 leaves every decision to the prediction, as on a machine without a GPU.
+ENVIRONMENT_SWITCH = "CONCUR_MEASURE"
+
+
+def can_time(device: torch.device | None) -> bool:
+    """Return True where programs on ``device`` can be timed now: CUDA, no capture under way, not switched off."""
+    if os.environ.get(ENVIRONMENT_SWITCH, "1") == "0":
+        return False
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def environment(device: torch.device) -> tuple[str, str, str | None]:
+    """Return what a measured decision depends on besides the program: GPU name, torch and CUDA versions."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return name, torch.__version__, torch.version.cuda
+
+
+def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any], device: torch.device,
+                        rounds: int = ROUNDS, replays: int = REPLAYS, warmup: int = WARMUP) -> list[tuple[float, float]]:
+    """Return, per round, the ms of one replay of ``one_stream`` and of ``streams``, each captured in a CUDA graph.
+
+    Both callables run their program on fixed inputs (a CUDA graph replays
+    the same addresses). Warm-up runs on a side stream, as
+    ``torch.cuda.graph`` requires for what it then captures; the two graphs
+    share one memory pool, which is safe because they never run at once and
+    nobody reads their outputs.
+    """
+    with torch.cuda.device(device):
+        caller = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                one_stream()
+                streams()
+        caller.wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for program in (one_stream, streams):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                program()
+            graphs.append(graph)
+        times: list[tuple[float, float]] = []
+        for r in range(rounds):
+            ms = {}
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    graphs[i].replay()
+                end.record()
+                end.synchronize()
+                ms[i] = start.elapsed_time(end) / replays
+            times.append((ms[0], ms[1]))
+        del graphs
+        return times
+
+
+def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
+    """Return real tensors shaped as the (possibly fake) example inputs: same size, strides, dtype, device.
+
+    Values only need to be harmless: floating point in [0.5, 1) (no NaN out of
+    a square root or a log), integers 0 (a valid index), booleans False.
+    Anything that is not a tensor is passed as it is.
+    """
+    out: list[Any] = []
+    with compat.outside_fake_mode(), torch.no_grad():
+        for x in example_inputs:
+            if not isinstance(x, torch.Tensor):
+                out.append(x)
+                continue
+            t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
+            if t.is_floating_point() or t.is_complex():
+                t.uniform_(0.5, 1.0)
+            else:
+                t.zero_()
+            out.append(t)
+    return out
+
+
+def boxed_timer(one_stream: Callable[[list], Any], streams: Callable[[list], Any],
+                example_inputs: Sequence[Any], device: torch.device) -> Timer:
+    """Return a :data:`~concur.dag.decide.Timer` of two compiled graphs' boxed calls (one list argument each).
+
+    The inputs are made when the timer runs and dropped after it; each call
+    gets its own list, which inductor's ``call`` empties.
+    """
+    def timer() -> list[tuple[float, float]]:
+        with compat.outside_fake_mode():
+            args = real_inputs(example_inputs)
+            return alternating_replays(lambda: one_stream(list(args)), lambda: streams(list(args)), device)
+
+    return timer

@@ -1,0 +1,173 @@
+"""concur.dag.decide: one keep-or-drop decision for every route, the prediction a filter and the timer the judge.
+
+The timer is faked: each test hands :func:`decide` the rounds a GPU would have
+measured, and checks what it keeps, what it caches and what it logs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+import pytest
+
+from concur.dag import decide
+from concur.dag.disk_cache import JsonCache
+
+FAST = decide.Prediction(num_streams=3, serial_us=130.0, ideal_us=80.0, streams_us=100.0)  # predicted 1.30x
+SLOW = decide.Prediction(num_streams=3, serial_us=90.0, ideal_us=60.0, streams_us=100.0)   # predicted 0.90x
+
+
+class FakeTimer:
+    """Rounds of (one stream ms, several streams ms), counting its calls."""
+
+    def __init__(self, rounds):
+        self.rounds, self.calls = list(rounds), 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.rounds
+
+
+class DictCache:
+    def __init__(self):
+        self.entries: dict[str, dict] = {}
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def put(self, key, result):
+        self.entries[key] = dict(result)
+
+
+def test_prediction_says_faster_but_measurement_says_slower_keeps_one_stream():
+    timer = FakeTimer([(1.00, 1.10)] * 5)
+    d = decide.decide("g", FAST, timer=timer)
+    assert FAST.speedup == pytest.approx(1.3)
+    assert timer.calls == 1 and not d.keep and d.num_streams == 1 and d.source == "measurement"
+    assert d.measured.one_stream_ms == pytest.approx(1.0) and d.measured.streams_ms == pytest.approx(1.1)
+
+
+def test_measured_faster_keeps_the_streams():
+    d = decide.decide("g", FAST, timer=FakeTimer([(1.00, 0.80)] * 5))
+    assert d.keep and d.num_streams == 3 and d.source == "measurement"
+    assert d.measured.speedup == pytest.approx(1.25)
+
+
+def test_a_gain_within_the_margin_keeps_one_stream():
+    """Equal times, or a gain smaller than the margin, are noise: one stream is the safe side."""
+    assert not decide.decide("g", FAST, timer=FakeTimer([(1.000, 0.995)] * 5)).keep
+    assert not decide.decide("g", FAST, timer=FakeTimer([(1.0, 1.0)] * 5)).keep
+    assert decide.decide("g", FAST, timer=FakeTimer([(1.0, 0.98)] * 5)).keep
+
+
+def test_the_median_of_the_rounds_decides_not_the_mean():
+    """Three rounds disturbed (another process, a clock change) must not outvote four clean ones."""
+    rounds = [(1.0, 0.8)] * 4 + [(1.0, 5.0)] * 3
+    d = decide.decide("g", FAST, timer=FakeTimer(rounds))
+    assert d.keep and d.measured.streams_ms == pytest.approx(0.8) and d.measured.rounds == 7
+
+
+def test_a_plan_predicted_slower_is_dropped_without_timing():
+    timer = FakeTimer([(1.0, 0.5)] * 5)
+    d = decide.decide("g", SLOW, timer=timer)
+    assert timer.calls == 0 and not d.keep and d.source == "prediction" and "below 1x" in d.reason
+
+
+def test_the_threshold_applies_to_the_prediction():
+    timer = FakeTimer([(1.0, 0.5)] * 5)
+    assert not decide.decide("g", FAST, min_speedup=1.5, timer=timer).keep and timer.calls == 0
+    assert decide.decide("g", FAST, min_speedup=1.2, timer=timer).keep and timer.calls == 1
+
+
+def test_a_one_stream_schedule_is_never_timed():
+    timer = FakeTimer([(1.0, 0.5)] * 5)
+    one = decide.Prediction(1, 100.0, 100.0, 100.0)
+    assert not decide.decide("g", one, timer=timer).keep and timer.calls == 0
+
+
+def test_without_a_timer_the_prediction_decides():
+    d = decide.decide("g", FAST)
+    assert d.keep and d.measured is None and d.source == "prediction" and "not timed" in d.reason
+
+
+def test_a_timer_that_fails_leaves_the_decision_to_the_prediction():
+    def broken():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    cache = DictCache()
+    d = decide.decide("g", FAST, timer=broken, cache=cache, key="k")
+    assert d.keep and d.source == "prediction" and "timing failed (RuntimeError: operation not permitted" in d.reason
+    assert cache.entries == {}  # nothing measured, nothing stored
+
+
+def test_a_cache_hit_skips_timing_and_repeats_the_decision():
+    cache, timer = DictCache(), FakeTimer([(1.0, 1.2)] * 5)
+    first = decide.decide("g", FAST, timer=timer, cache=cache, key="k1")
+    second = decide.decide("g", FAST, timer=timer, cache=cache, key="k1")
+    assert timer.calls == 1
+    assert (first.keep, first.source) == (False, "measurement") and (second.keep, second.source) == (False, "cache")
+    assert second.measured == first.measured
+
+
+def test_another_key_misses_the_cache():
+    cache, timer = DictCache(), FakeTimer([(1.0, 0.8)] * 5)
+    decide.decide("g", FAST, timer=timer, cache=cache, key="batch 8")
+    decide.decide("g", FAST, timer=timer, cache=cache, key="batch 16")
+    assert timer.calls == 2 and set(cache.entries) == {"batch 8", "batch 16"}
+
+
+def test_a_cached_entry_of_another_format_is_measured_again():
+    cache, timer = DictCache(), FakeTimer([(1.0, 0.8)] * 5)
+    cache.entries["k"] = {"streams": 2}
+    assert decide.decide("g", FAST, timer=timer, cache=cache, key="k").source == "measurement" and timer.calls == 1
+
+
+def test_decisions_survive_on_disk(tmp_path):
+    timer = FakeTimer([(2.0, 1.5)] * 5)
+    decide.decide("g", FAST, timer=timer, cache=JsonCache(tmp_path), key="abc")
+    again = decide.decide("g", FAST, timer=timer, cache=JsonCache(tmp_path), key="abc")
+    assert timer.calls == 1 and again.source == "cache" and again.keep
+    assert again.measured == decide.Measured(2.0, 1.5, 5)
+    assert [p.name for p in JsonCache(tmp_path).entries()] == ["abc.json"]
+
+
+def test_the_key_changes_with_any_part():
+    base = ("src", ((8, 3, 32, 32), "torch.float32"), "H100")
+    assert decide.decision_key(*base) == decide.decision_key(*base)
+    assert decide.decision_key(*base) != decide.decision_key("src", ((16, 3, 32, 32), "torch.float32"), "H100")
+    assert decide.decision_key(*base) != decide.decision_key("src", ((8, 3, 32, 32), "torch.bfloat16"), "H100")
+
+
+def test_each_decision_logs_one_info_line_with_its_times(caplog):
+    with caplog.at_level(logging.INFO, logger="concur"):
+        decide.decide("the forward graph", FAST, timer=FakeTimer([(1.0, 1.1)] * 5))
+        decide.decide("the backward graph", FAST, timer=FakeTimer([(1.0, 0.8)] * 5))
+        decide.decide("a stamped graph", SLOW)
+    lines = [r.getMessage() for r in caplog.records if r.name == "concur"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "concur")
+    assert len(lines) == 3, lines
+    assert "the forward graph runs on one stream:" in lines[0] and "measured 1.100 ms against 1.000 ms" in lines[0]
+    assert "130.0 us on one stream against 100.0 us" in lines[0]
+    assert "the backward graph runs on 3 streams:" in lines[1] and "1.25x" in lines[1]
+    assert "a stamped graph runs on one stream:" in lines[2] and "0.90x" in lines[2]
+
+
+def test_schedule_graph_coarsens_only_when_asked():
+    """Fused kernels are coarsened into clusters worth a switch; the fx path schedules op by op."""
+    dag = nx.DiGraph([("x", "a1"), ("a1", "a2"), ("x", "b1"), ("b1", "b2"), ("a2", "y"), ("b2", "y")])
+    nx.set_node_attributes(dag, 10.0, "cost")
+    fine = decide.schedule_graph(dag, 2, "critical_path")
+    assert fine.num_streams == 2
+    coarse = decide.schedule_graph(dag, 2, "critical_path", cluster_cost_us=50.0)  # no branch is worth a switch
+    assert coarse.num_streams == 1
+
+
+def test_predict_matches_the_shared_device_simulation():
+    dag = nx.DiGraph([("x", "a"), ("x", "b"), ("a", "y"), ("b", "y")])
+    nx.set_node_attributes(dag, {"x": 1.0, "a": 10.0, "b": 10.0, "y": 1.0}, "cost")
+    nx.set_node_attributes(dag, 1.0, "share")  # each kernel fills the device: nothing overlaps
+    schedule = decide.schedule_graph(dag, 2, "critical_path")
+    p = decide.predict(dag, schedule)
+    assert p.num_streams == 2 and p.serial_us == 22.0
+    assert p.ideal_speedup > 1.0 > p.speedup  # alone the branches overlap; sharing the device they cannot

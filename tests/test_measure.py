@@ -1,0 +1,84 @@
+"""concur.dag.measure: when programs can be timed, the inputs made for them, and (GPU) the alternating replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from concur.dag import measure
+from tests.conftest import requires_cuda
+
+
+def test_nothing_is_timed_on_a_cpu_or_when_switched_off(monkeypatch):
+    monkeypatch.delenv(measure.ENVIRONMENT_SWITCH, raising=False)
+    assert not measure.can_time(torch.device("cpu")) and not measure.can_time(None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert measure.can_time(torch.device("cuda", 0))
+    monkeypatch.setenv(measure.ENVIRONMENT_SWITCH, "0")
+    assert not measure.can_time(torch.device("cuda", 0))
+
+
+def test_nothing_is_timed_while_a_graph_is_being_captured(monkeypatch):
+    monkeypatch.delenv(measure.ENVIRONMENT_SWITCH, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not measure.can_time(torch.device("cuda", 0))
+
+
+def test_real_inputs_copy_the_layout_of_fake_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = [torch.empty(4, 6).t(), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.bool)]
+        real = measure.real_inputs([*fake, 7])  # made inside the fake mode, as inductor's forward compile is
+    assert [type(t) for t in real[:3]] == [torch.Tensor] * 3 and real[3] == 7
+    assert real[0].shape == (6, 4) and real[0].stride() == (1, 6) and real[0].dtype == torch.float32
+    assert bool(((real[0] >= 0.5) & (real[0] < 1.0)).all())  # no NaN from a square root or a log
+    assert real[1].dtype == torch.int64 and not real[1].any()  # a valid index
+    assert real[2].dtype == torch.bool and not real[2].any()
+
+
+def test_the_environment_names_the_device_and_torch():
+    name, version, _ = measure.environment(torch.device("cpu"))
+    assert (name, version) == ("cpu", torch.__version__)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_alternating_replays_time_two_captured_programs():
+    """A program doing twice the work measures about twice as long, in every round."""
+    x = torch.randn(2048, 2048, device="cuda")
+
+    def once():
+        return x @ x
+
+    def twice():
+        return (x @ x) @ x
+
+    rounds = measure.alternating_replays(once, twice, x.device, rounds=5)
+    assert len(rounds) == 5
+    for a, b in rounds:
+        assert 0 < a < b and 1.5 < b / a < 2.5, rounds
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_boxed_timer_times_a_compiled_graph_against_its_streams():
+    """The wrapper route's timer through a real compile: both calls run, and times come back."""
+    import concur
+    from concur.dag import decide
+    from tests.models import WideNet
+
+    torch._dynamo.reset()
+    model = WideNet(branches=4, channels=32).cuda()
+    backend = concur.backend(streams=4)
+    out = torch.compile(model, backend=backend)(torch.randn(8, 3, 32, 32, device="cuda"))
+    out.sum().backward()
+    torch.cuda.synchronize()
+    timed = [g for g in backend.graphs if g.decided_by in ("measurement", "cache")]
+    assert timed, backend.graphs
+    for g in timed:
+        assert g.measured_speedup is not None and g.measured_speedup > 0
+        assert (g.num_streams > 1) == (g.measured_speedup > 1 / (1 - decide.MARGIN)), g
+    torch._dynamo.reset()

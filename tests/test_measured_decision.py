@@ -1,0 +1,181 @@
+"""Measured decisions through each route, on CPU, with the GPU's timer faked.
+
+:func:`concur.dag.measure.can_time` says yes and the timer runs both programs
+once (so what each route hands it really runs) and returns the rounds a GPU
+would have measured. Each test checks what the route keeps, that a second
+setup reads the cache instead of timing, and that a new shape or dtype does
+not. The real timer is tested on a GPU in tests/test_measure.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import concur
+from concur.dag.cost import ROOFLINES, AnalyticCost, Roofline
+from tests.models import WideNet
+
+H100 = AnalyticCost(ROOFLINES["h100"])
+SLOWER = [(1.0, 1.2)] * 5  # per round: one stream, several streams (ms)
+FASTER = [(1.0, 0.8)] * 5
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CONCUR_MEASURE", raising=False)
+    return tmp_path
+
+
+class FakeReplays:
+    """Stands in for alternating_replays: runs each program once, returns fixed rounds, counts its calls."""
+
+    def __init__(self, rounds):
+        self.rounds, self.calls = rounds, 0
+
+    def __call__(self, one_stream, streams, device, *args, **kwargs):
+        self.calls += 1
+        one_stream()
+        streams()
+        return self.rounds
+
+
+def fx_timing(monkeypatch, rounds) -> FakeReplays:
+    import concur.fx.module as module
+
+    fake = FakeReplays(rounds)
+    monkeypatch.setattr(module, "can_time", lambda device: True)
+    monkeypatch.setattr(module, "_cuda_device", lambda model, inputs: torch.device("cpu"))
+    monkeypatch.setattr(module, "alternating_replays", fake)
+    return fake
+
+
+def branchy() -> nn.Module:
+    torch.manual_seed(0)
+    return WideNet(branches=4, channels=16)
+
+
+X = torch.randn(4, 3, 16, 16)
+
+
+def test_fx_prediction_faster_measurement_slower_keeps_one_stream(monkeypatch):
+    predicted = concur.optimize(branchy(), (X,), streams=4, cost_model=H100)
+    assert predicted.schedule.num_streams > 1  # without timing, the prediction keeps the streams
+    fake = fx_timing(monkeypatch, SLOWER)
+    model = branchy()
+    measured = concur.optimize(model, (X,), streams=4, cost_model=H100)
+    assert fake.calls == 1 and measured.schedule.num_streams == 1
+    torch.testing.assert_close(measured(X), model(X))
+
+
+def test_fx_measured_faster_keeps_the_streams(monkeypatch):
+    fake = fx_timing(monkeypatch, FASTER)
+    assert concur.optimize(branchy(), (X,), streams=4, cost_model=H100).schedule.num_streams > 1
+    assert fake.calls == 1
+
+
+def test_fx_timing_leaves_buffers_and_gradients_as_they_were(monkeypatch):
+    fx_timing(monkeypatch, SLOWER)
+    model = branchy().train()
+    model(X).sum().backward()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    concur.optimize(model, (X,), streams=4, cost_model=H100)  # ran forward and backward of both plans
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), k
+    for k, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[k]), k
+
+
+def test_fx_second_setup_reads_the_cache_and_a_new_shape_or_dtype_misses_it(monkeypatch):
+    fake = fx_timing(monkeypatch, SLOWER)
+    concur.optimize(branchy(), (X,), streams=4, cost_model=H100)
+    again = concur.optimize(branchy(), (X,), streams=4, cost_model=H100)
+    assert fake.calls == 1 and again.schedule.num_streams == 1  # the cached decision, not timed again
+    concur.optimize(branchy(), (torch.randn(8, 3, 16, 16),), streams=4, cost_model=H100)
+    assert fake.calls == 2  # batch size
+    concur.optimize(branchy().double(), (X.double(),), streams=4, cost_model=H100)
+    assert fake.calls == 3  # dtype
+    concur.optimize(WideNet(branches=5, channels=16), (X,), streams=4, cost_model=H100)
+    assert fake.calls == 4  # model
+
+
+def test_fx_measure_false_leaves_it_to_the_prediction(monkeypatch):
+    fake = fx_timing(monkeypatch, SLOWER)
+    assert concur.optimize(branchy(), (X,), streams=4, cost_model=H100, measure=False).schedule.num_streams > 1
+    assert fake.calls == 0
+
+
+def test_fx_the_environment_switch_turns_timing_off(monkeypatch):
+    import concur.fx.module as module
+
+    fake = FakeReplays(SLOWER)
+    monkeypatch.setattr(module, "_cuda_device", lambda model, inputs: torch.device("cuda"))
+    monkeypatch.setattr(module, "alternating_replays", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("CONCUR_MEASURE", "0")
+    assert concur.optimize(branchy(), (X,), streams=4, cost_model=H100).schedule.num_streams > 1
+    assert fake.calls == 0
+
+
+# ---------------------------------------------------------------- the wrapper route (inductor)
+
+NO_MERGE = Roofline("slow-no-overhead", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=0.0)
+
+
+def wrapper_timing(monkeypatch, rounds) -> FakeReplays:
+    """The backend times on CPU: the real boxed timer (real inputs made from inductor's fake ones), fake replays."""
+    import concur.dag.measure as measure
+    import concur.inductor.backend as backend
+
+    fake = FakeReplays(rounds)
+    monkeypatch.setattr(backend, "can_time", lambda device: True)
+    monkeypatch.setattr(measure, "alternating_replays", fake)
+    return fake
+
+
+def compile_and_run(model: nn.Module, x: torch.Tensor, backend) -> None:
+    reference = copy.deepcopy(model)
+    out = torch.compile(model, backend=backend)(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+
+
+@pytest.mark.inductor
+def test_wrapper_measurement_slower_keeps_inductors_call(monkeypatch):
+    torch._dynamo.reset()
+    fake = wrapper_timing(monkeypatch, SLOWER)
+    backend = concur.backend(streams=4, roofline=NO_MERGE)
+    compile_and_run(WideNet(branches=4, channels=4), torch.randn(2, 3, 8, 8), backend)
+    timed = [g for g in backend.graphs if g.decided_by == "measurement"]
+    assert timed and fake.calls == len(timed), backend.graphs
+    assert all(g.predicted_speedup >= 1.0 - 1e-9 for g in timed)  # the prediction alone keeps the streams
+    assert all(g.num_streams == 1 and "measured 1.200 ms" in g.one_stream_reason
+               and g.measured_speedup == pytest.approx(1 / 1.2) for g in timed), backend.graphs
+    assert all(g.num_streams == 1 for g in backend.graphs)
+    torch._dynamo.reset()
+
+
+@pytest.mark.inductor
+def test_wrapper_measured_faster_installs_and_a_second_compile_reads_the_cache(monkeypatch):
+    torch._dynamo.reset()
+    fake = wrapper_timing(monkeypatch, FASTER)
+    first = concur.backend(streams=4, roofline=NO_MERGE)
+    compile_and_run(WideNet(branches=4, channels=4), torch.randn(2, 3, 8, 8), first)
+    timed = fake.calls
+    assert timed >= 1 and any(g.num_streams > 1 and g.decided_by == "measurement" for g in first.graphs)
+    torch._dynamo.reset()
+    second = concur.backend(streams=4, roofline=NO_MERGE)
+    compile_and_run(WideNet(branches=4, channels=4), torch.randn(2, 3, 8, 8), second)
+    assert fake.calls == timed and any(g.num_streams > 1 and g.decided_by == "cache" for g in second.graphs)
+    torch._dynamo.reset()
+    third = concur.backend(streams=4, roofline=NO_MERGE)
+    compile_and_run(WideNet(branches=4, channels=4), torch.randn(3, 3, 8, 8), third)  # another batch size
+    assert fake.calls > timed
+    torch._dynamo.reset()
