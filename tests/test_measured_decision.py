@@ -91,6 +91,14 @@ def test_fx_timing_leaves_buffers_and_gradients_as_they_were(monkeypatch):
         assert torch.equal(p.grad, grads[k]), k
 
 
+def test_fx_timing_does_not_backpropagate_into_the_callers_graph(monkeypatch):
+    """A plan built inside a forward gets activations with history: timing must not reach the layers before."""
+    fx_timing(monkeypatch, SLOWER)
+    before = nn.Conv2d(3, 3, 1)
+    concur.optimize(branchy(), (before(X),), streams=4, cost_model=H100)
+    assert before.weight.grad is None
+
+
 def test_fx_second_setup_reads_the_cache_and_a_new_shape_or_dtype_misses_it(monkeypatch):
     fake = fx_timing(monkeypatch, SLOWER)
     concur.optimize(branchy(), (X,), streams=4, cost_model=H100)

@@ -234,12 +234,18 @@ def _state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
 
 def _timer(module: "ConcurModule", one_stream: Callable[[], Plan], streams: Plan, inputs: tuple,
            device: torch.device) -> decide.Timer:
-    """Return a timer of the one-stream and the multi-stream plan (forward, and backward where it applies)."""
+    """Return a timer of the one-stream and the multi-stream plan (forward, and backward where it applies).
+
+    Inputs are detached (leaves that require gradients stay so): a plan built
+    during a forward gets the caller's activations, and the timing's backward
+    must end at them, not run through the caller's graph.
+    """
+    own = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs)
+
     def timer() -> list[tuple[float, float]]:
         one = one_stream()
         with _state_kept(module.original, device):
-            return alternating_replays(lambda: _run(module, one, inputs), lambda: _run(module, streams, inputs),
-                                       device)
+            return alternating_replays(lambda: _run(module, one, own), lambda: _run(module, streams, own), device)
 
     return timer
 
