@@ -44,6 +44,13 @@ def test_the_environment_names_the_device_and_torch():
     assert (name, version) == ("cpu", torch.__version__)
 
 
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(measure.ENVIRONMENT_SWITCH, raising=False)
+    return tmp_path
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_alternating_replays_time_two_captured_programs():
@@ -64,7 +71,7 @@ def test_alternating_replays_time_two_captured_programs():
 
 @pytest.mark.cuda
 @requires_cuda
-def test_boxed_timer_times_a_compiled_graph_against_its_streams():
+def test_boxed_timer_times_a_compiled_graph_against_its_streams(cache_dir):
     """The wrapper route's timer through a real compile: both calls run, and times come back."""
     import concur
     from concur.dag import decide
@@ -82,3 +89,36 @@ def test_boxed_timer_times_a_compiled_graph_against_its_streams():
         assert g.measured_speedup is not None and g.measured_speedup > 0
         assert (g.num_streams > 1) == (g.measured_speedup > 1 / (1 - decide.MARGIN)), g
     torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_optimize_times_its_plan_once_and_leaves_the_model_as_it_was(cache_dir, caplog, monkeypatch):
+    """The fx path on a GPU: timed (forward and backward, captured), cached, and no state changed by it."""
+    import logging
+
+    import schedulers
+
+    import concur
+    from tests.models import WideNet
+
+    # the prediction is made to let the plan through, so that the real timer decides
+    monkeypatch.setattr(schedulers, "simulate_shared", lambda dag, s: 0.5 * sum(dag.nodes[v]["cost"] for v in dag))
+
+    torch.manual_seed(0)
+    model = WideNet(branches=4, channels=32).cuda().train()
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    model(x).sum().backward()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    with caplog.at_level(logging.INFO, logger="concur"):
+        first = concur.optimize(model, (x,), streams=4)
+        second = concur.optimize(model, (x,), streams=4)
+    lines = [r.getMessage() for r in caplog.records if r.name == "concur" and "concur.optimize" in r.getMessage()]
+    assert len(lines) == 2 and "median of 7 alternating rounds" in lines[0] and "cached measurement" in lines[1], lines
+    assert first.schedule.num_streams == second.schedule.num_streams
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), k
+    for k, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[k]), k
+    torch.testing.assert_close(first(x), model(x))
