@@ -45,12 +45,14 @@ class FakeReplays:
 
 
 def fx_timing(monkeypatch, rounds) -> FakeReplays:
+    """optimize times on CPU: its real timer and state keeping, fake replays."""
+    import concur.fx.decision as decision
     import concur.fx.module as module
 
     fake = FakeReplays(rounds)
     monkeypatch.setattr(module, "can_time", lambda device: True)
-    monkeypatch.setattr(module, "_cuda_device", lambda model, inputs: torch.device("cpu"))
-    monkeypatch.setattr(module, "alternating_replays", fake)
+    monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cpu"))
+    monkeypatch.setattr(decision, "alternating_replays", fake)
     return fake
 
 
@@ -119,11 +121,12 @@ def test_fx_measure_false_leaves_it_to_the_prediction(monkeypatch):
 
 
 def test_fx_the_environment_switch_turns_timing_off(monkeypatch):
+    import concur.fx.decision as decision
     import concur.fx.module as module
 
     fake = FakeReplays(SLOWER)
-    monkeypatch.setattr(module, "_cuda_device", lambda model, inputs: torch.device("cuda"))
-    monkeypatch.setattr(module, "alternating_replays", fake)
+    monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cuda"))
+    monkeypatch.setattr(decision, "alternating_replays", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("CONCUR_MEASURE", "0")

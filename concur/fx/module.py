@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect as pyinspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -15,13 +14,13 @@ import torch.nn as nn
 import schedulers
 
 from concur.dag import decide
-from concur.dag.annotate import preserved_state, tensors_in
 from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.dag.disk_cache import JsonCache
-from concur.dag.measure import alternating_replays, can_time, environment
+from concur.dag.measure import can_time
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
 from concur.fx.plan import Plan, analyse, device_name, generate_plan, schedule_ops
+from concur.fx.decision import cuda_device, decision_key, plan_timer
 
 FALLBACKS = ("error", "eager")
 
@@ -121,7 +120,7 @@ class ConcurModule(nn.Module):
 
         On CUDA the two plans, both generated from the one trace, are timed
         against each other, forward and backward, in CUDA graphs
-        (:func:`_timer`); elsewhere the prediction decides.
+        (:mod:`concur.fx.decision`); elsewhere the prediction decides.
         """
         o = self._options
         traced, dag = analyse(self.original, inputs, o["cost_model"], o["leaf_modules"])
@@ -139,10 +138,10 @@ class ConcurModule(nn.Module):
             return made[0]
 
         timer, key = None, None
-        device = _cuda_device(self.original, inputs)
+        device = cuda_device(self.original, inputs)
         if o.get("measure", True) and can_time(device):
-            timer = _timer(self, one_stream, plan, inputs, device)
-            key = _decision_key(self.original, traced, inputs, plan, device)
+            timer = plan_timer(self, one_stream, plan, inputs, device)
+            key = decision_key(self.original, traced, inputs, plan, device)
         decision = decide.decide(f"concur.optimize of {type(self.original).__name__}",
                                  decide.predict(scheduled, schedule), timer=timer,
                                  cache=JsonCache() if timer is not None else None, key=key)
@@ -201,73 +200,6 @@ class ConcurModule(nn.Module):
         except BaseException:
             plan.runtime.abort()
             raise
-
-
-def _cuda_device(model: nn.Module, inputs: tuple) -> torch.device | None:
-    """Return the CUDA device the inputs or the model are on, or None."""
-    tensors = tensors_in(inputs) + list(model.parameters())[:1]
-    return next((t.device for t in tensors if t.is_cuda), None)
-
-
-def _run(module: "ConcurModule", plan: Plan, inputs: tuple) -> None:
-    """Run ``plan``'s forward on ``inputs`` and, where its outputs need gradients, a backward of ones."""
-    object.__setattr__(module, plan.runtime_attr, plan.runtime)
-    outputs = [t for t in tensors_in(plan.forward(module, *inputs)) if t.requires_grad]
-    if outputs:
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-
-
-@contextlib.contextmanager
-def _state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Leave the model's buffers, RNG and gradients as they were: timing is no training step."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        with preserved_state(model, {device}):
-            yield
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-
-
-def _timer(module: "ConcurModule", one_stream: Callable[[], Plan], streams: Plan, inputs: tuple,
-           device: torch.device) -> decide.Timer:
-    """Return a timer of the one-stream and the multi-stream plan (forward, and backward where it applies).
-
-    Inputs are detached (leaves that require gradients stay so): a plan built
-    during a forward gets the caller's activations, and the timing's backward
-    must end at them, not run through the caller's graph.
-    """
-    own = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs)
-
-    def timer() -> list[tuple[float, float]]:
-        one = one_stream()
-        with _state_kept(module.original, device):
-            return alternating_replays(lambda: _run(module, one, own), lambda: _run(module, streams, own), device)
-
-    return timer
-
-
-def _decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plan: Plan,
-                  device: torch.device) -> str:
-    """Return the cache key of a measured decision: graph, modules, shapes and dtypes, precision, plan, GPU, torch.
-
-    The traced code names the modules it calls; their settings
-    (``extra_repr``), modes and parameter shapes and dtypes, the inputs'
-    shapes, strides and dtypes, autocast and grad mode say what each call
-    computes, so a new batch size, dtype or model finds no stale decision.
-    """
-    modules = tuple((name, type(m).__qualname__, m.extra_repr(), m.training) for name, m in model.named_modules())
-    state = tuple((name, tuple(t.shape), str(t.dtype)) for name, t in
-                  [*model.named_parameters(), *model.named_buffers()])
-    shapes = tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad) for t in tensors_in(inputs))
-    precision = (torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
-                 str(torch.get_autocast_dtype(device.type)))
-    return decide.decision_key("fx", traced.code, modules, state, shapes, precision, plan.schedule.order,
-                               sorted(plan.schedule.stream.items()), plan.weight_grad_splits, environment(device),
-                               decide.MARGIN)
 
 
 def _rebuild(model: nn.Module, options: dict) -> ConcurModule:
