@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from typing import Callable, Iterator
+import weakref
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -139,15 +140,6 @@ def outside_fake_mode() -> contextlib.AbstractContextManager:
     return unset_fake_temporarily()
 
 
-def aot_autograd_backend(fw_compiler, bw_compiler) -> object:
-    """Return a dynamo backend running AOTAutograd with the given forward/backward compilers."""
-    try:
-        from torch._dynamo.backends.common import aot_autograd
-    except ImportError as exc:  # pragma: no cover
-        raise _compile_internal("torch._dynamo.backends.common.aot_autograd", exc) from exc
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-
-
 @contextlib.contextmanager
 def inductor_buffer_reuse(enabled: bool) -> Iterator[None]:
     """Let inductor's generated code put a new buffer in a dead one's memory (its default), or not.
@@ -231,14 +223,6 @@ def compile_phase_seconds() -> dict[str, float]:
     return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
 
 
-def register_dynamo_backend(name: str, compiler_fn) -> None:
-    """Register ``compiler_fn`` under ``name`` for ``torch.compile(backend=name)`` (idempotent)."""
-    from torch._dynamo import list_backends, register_backend
-
-    if name not in list_backends(exclude_tags=()):
-        register_backend(compiler_fn=compiler_fn, name=name)
-
-
 def has_symbolic_shapes(example_inputs: list) -> bool:
     """Return True if any example input is a SymInt or a tensor with symbolic sizes."""
     for x in example_inputs:
@@ -247,6 +231,34 @@ def has_symbolic_shapes(example_inputs: list) -> bool:
         if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
             return True
     return False
+
+
+# --- aten ops' schemas, read by dag.annotate, inductor.aten_dag, inductor.stamp, inductor.wrapper_parse ---
+
+
+def is_op_overload(target: object) -> bool:
+    """Return True if ``target`` is one overload of a registered op (``torch.ops.aten.add_.Tensor``)."""
+    from torch._ops import OpOverload
+
+    return isinstance(target, OpOverload)
+
+
+def op_schema(target: object) -> "torch.FunctionSchema | None":
+    """Return the schema of an op overload (its alias annotations say which arguments it writes), else None.
+
+    ``OpOverload._schema`` is private; an overload without a readable schema
+    raises rather than reading as "writes nothing".
+
+    Raises:
+        RuntimeError: ``target`` is an op overload whose schema this torch keeps elsewhere.
+    """
+    if not is_op_overload(target):
+        return None
+    schema = getattr(target, "_schema", None)
+    if not isinstance(schema, torch.FunctionSchema):
+        raise _compile_internal("the schema of each aten op (OpOverload._schema)",
+                                AttributeError(f"{type(target).__name__} without a FunctionSchema"))
+    return schema
 
 
 # --- inductor's own streams (torch >= 2.13), used by concur.inductor.stamp ------------------
@@ -277,7 +289,7 @@ def has_inductor_node_streams() -> bool:
                 and hasattr(control_dependencies, "_create_subgraph_for_node")
                 and hasattr(control_dependencies, "get_subgraph_name")
                 and control_dependencies.control_deps in lowering.lowerings
-                and isinstance(getattr(graph_bytecode_inputs, "index_to_external_object_weakref", None), dict)
+                and isinstance(getattr(graph_bytecode_inputs, "index_to_external_object_weakref", None), (dict, list))
                 and all(hasattr(torch.ops.streams, op) for op in ("record_event", "wait_event", "record_stream")))
     except (ImportError, AttributeError, RuntimeError):
         return False
@@ -333,19 +345,103 @@ def inductor_stream_ops() -> InductorStreamOps:
                              cd.control_deps, sync, cd._create_subgraph_for_node, cd.get_subgraph_name)
 
 
-def external_object_table() -> dict:
+def external_object_table() -> dict | list:
     """Return dynamo's table of user objects (index -> weakref) that inductor's stream code reads.
 
     ``torch._dynamo.graph_bytecode_inputs.index_to_external_object_weakref``:
-    the generated wrapper calls ``_get_stream_by_index(i)`` on it, and dynamo
-    clears and refills it (in place) when a frame with user streams starts.
+    the generated wrapper calls ``_get_stream_by_index(i)`` on it. Up to
+    torch 2.14 a dict that dynamo clears and refills in place when a frame
+    with user objects runs; from 2.15 a list, indexed from 0, that dynamo
+    *replaces* then (so it is looked up again on every call here).
     """
     from torch._dynamo import graph_bytecode_inputs
 
     table = getattr(graph_bytecode_inputs, "index_to_external_object_weakref", None)
-    if not isinstance(table, dict):
+    if not isinstance(table, (dict, list)):
         raise RuntimeError(f"torch {torch.__version__} has no dynamo user-object table")
     return table
+
+
+def _external_object(table: dict | list, index: int) -> object | None:
+    ref = table.get(index) if isinstance(table, dict) else table[index] if index < len(table) else None
+    return ref() if ref is not None else None
+
+
+class _Gone:
+    pass
+
+
+# What a list table holds below concur's indices where dynamo has put nothing: a dead reference, which
+# dynamo's lookup reports ("no longer alive") instead of handing out a wrong object.
+_DEAD = weakref.ref(_Gone())
+
+
+class ExternalObjects:
+    """Objects at fixed indices of dynamo's table of user objects, where inductor's stream code fetches them.
+
+    Up to torch 2.14 the table is a dict that dynamo clears in place when a
+    frame with user objects runs: the objects are put in and stay, put back
+    when the newest (``sentinel``, standing for all) is missing, so a call
+    costs one lookup. From 2.15 it is a list, indexed from 0, that dynamo
+    replaces then, and that AOTAutograd snapshots after each forward and
+    writes back, index by index, before its backward, which fails on an
+    index past the end of the list current then: so the objects are in it
+    only while a graph runs (:meth:`installed`), after dynamo's own entries
+    and padded with dead references, and taken out again after it.
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[int, object] = {}
+        self.sentinel: int | None = None
+        self._slab: tuple[int, list] | None = None  # list tables: (first index, references from there on)
+
+    def add(self, index: int, obj: object) -> None:
+        """Keep ``obj`` at ``index`` (it becomes the sentinel: the newest entry)."""
+        self.objects[index] = obj
+        self.sentinel, self._slab = index, None
+
+    @contextlib.contextmanager
+    def installed(self, current: Mapping[int, object] = {}) -> Iterator[None]:
+        """Have the objects, and ``current`` (index -> an object of this call), in the table while the block runs.
+
+        Raises:
+            RuntimeError: dynamo's own entries reach the indices (a list table longer than the lowest).
+        """
+        table = external_object_table()
+        if isinstance(table, dict):
+            if self.sentinel is not None and _external_object(table, self.sentinel) is not self.objects[self.sentinel]:
+                table.update({index: weakref.ref(obj) for index, obj in self.objects.items()})
+            table.update({index: weakref.ref(obj) for index, obj in current.items()})
+            yield
+            return
+        indices = [*self.objects, *current]
+        low, top, start = min(indices), max(indices) + 1, len(table)
+        if start > low:
+            raise RuntimeError(f"dynamo's table of user objects holds {start} objects, reaching concur's "
+                               f"indices ({low} and up); torch {torch.__version__} may hand out more than "
+                               "concur expects: use route='wrapper'")
+        if self._slab is None or self._slab[0] != low or len(self._slab[1]) != top - low:
+            refs = [_DEAD] * (top - low)
+            for index, obj in self.objects.items():
+                refs[index - low] = weakref.ref(obj)
+            self._slab = (low, refs)
+        slab = list(self._slab[1])
+        for index, obj in current.items():
+            slab[index - low] = weakref.ref(obj)
+        table.extend([_DEAD] * (low - start))
+        table.extend(slab)
+        try:
+            yield
+        finally:
+            del table[start:]
+
+
+def mark_boxed(fn: object) -> None:
+    """Mark a callable as taking inductor's boxed arguments (one list), as inductor's own compiled graphs do.
+
+    AOTAutograd reads the private flag ``_boxed_call`` to decide how to call it.
+    """
+    fn._boxed_call = True
 
 
 def device_has_streams(device: torch.device) -> bool:
@@ -462,7 +558,8 @@ def enable_device_side_amp_skip(optimizer: torch.optim.Optimizer) -> bool:
 
     Fused optimizers (SGD, Adam, AdamW with ``fused=True``) set the private
     flag ``_step_supports_amp_scaling`` and skip an overflowing step on the
-    device; any optimizer whose groups have a ``fused`` option gets it here.
+    device; any optimizer whose groups have a ``fused`` option gets it here,
+    with one warning (it changes the user's optimizer and its rounding).
     """
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         return True
@@ -471,6 +568,11 @@ def enable_device_side_amp_skip(optimizer: torch.optim.Optimizer) -> bool:
     for group in optimizer.param_groups:
         group["fused"], group["foreach"] = True, False
     optimizer._step_supports_amp_scaling = True
+    warnings.warn(f"concur.train_step: {type(optimizer).__name__} under GradScaler was switched to fused=True "
+                  "(foreach=False), so that GradScaler hands it found_inf on the device and the CUDA graph skips "
+                  "an overflowing step without asking the host; fused kernels may round differently from foreach "
+                  "ones. Create the optimizer with fused=True to choose this yourself (and silence this warning).",
+                  stacklevel=4)
     return True
 
 
@@ -482,6 +584,85 @@ def note_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     ("Detected call of lr_scheduler.step() before optimizer.step()").
     """
     optimizer._opt_called = True
+
+
+def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Return True if ``optimizer.step()`` would run hooks: the optimizer's own or every optimizer's (global ones).
+
+    Reads the private dicts ``Optimizer.step``'s wrapper runs
+    (``_optimizer_step_pre_hooks`` ... ``_global_optimizer_post_hooks``); where
+    this torch keeps them elsewhere, it answers True, so the caller keeps
+    ``optimizer.step()``.
+    """
+    from torch.optim import optimizer as optim_module
+
+    own = (getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None))
+    shared = (getattr(optim_module, "_global_optimizer_pre_hooks", None),
+              getattr(optim_module, "_global_optimizer_post_hooks", None))
+    if any(h is None for h in own + shared):
+        return True
+    return any(len(h) for h in own + shared)
+
+
+def step_replaced_on_instance(optimizer: torch.optim.Optimizer) -> bool:
+    """Return True if ``optimizer.step`` was replaced on the instance by anything but an lr scheduler's wrapper.
+
+    LR schedulers wrap the instance's ``step`` to note that it was called,
+    marking the wrapper ``_wrapped_by_lr_sched`` (older torch:
+    ``_with_counter``); any other replacement counts.
+    """
+    step = optimizer.__dict__.get("step")
+    return step is not None and not any(hasattr(step, a) for a in ("_wrapped_by_lr_sched", "_with_counter"))
+
+
+# --- nn.Module's own state, shared by concur.fx.module.ConcurModule with the model it wraps -----------
+
+# The dicts nn.Module keeps submodules, parameters, buffers and state-dict hooks in: a ConcurModule holds
+# the same dict objects as its model, so a change through either object is seen by both.
+MODULE_SHARED_STATE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_state_dict_hooks",
+                       "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# What ``module.compile()`` puts on an instance: a compiled call bound to that object, never copied.
+MODULE_COMPILED_CALL = "_compiled_call_impl"
+# What nn.Module's state_dict and load_state_dict call on every submodule (and its format version).
+_STATE_DICT_PROTOCOL = ("_version", "_save_to_state_dict", "_load_from_state_dict")
+
+
+def share_module_state(view: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Make ``view`` hold ``model``'s own submodule, parameter, buffer and state-dict-hook dicts (the same objects).
+
+    Raises:
+        RuntimeError: this torch keeps a module's state in other attributes (nothing is shared).
+    """
+    missing = [name for name in MODULE_SHARED_STATE if not isinstance(vars(model).get(name), (dict, set))]
+    missing += [name for name in _STATE_DICT_PROTOCOL if not hasattr(torch.nn.Module, name)]
+    if missing:
+        raise RuntimeError(f"concur.optimize shares the model's own state with the module it returns, and torch "
+                           f"{torch.__version__} keeps it elsewhere (no {missing} on nn.Module); use the model "
+                           "as it is, or fallback='eager'")
+    for name in MODULE_SHARED_STATE:
+        object.__setattr__(view, name, getattr(model, name))
+
+
+class StateDictOfOriginal:
+    """nn.Module's private state-dict protocol, answered by ``self.original`` (a mixin listed before nn.Module).
+
+    ``state_dict`` and ``load_state_dict`` call ``_save_to_state_dict`` and
+    ``_load_from_state_dict`` on every submodule and record its ``_version``:
+    a wrapper that shares its model's state (:func:`share_module_state`)
+    answers with its model's own, extra state included.
+    """
+
+    original: torch.nn.Module
+
+    @property
+    def _version(self) -> int:
+        return self.original._version
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self.original._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self.original._load_from_state_dict(*args, **kwargs)
 
 
 # --- Module calls and saved tensors, read by concur.fx.weight_grads --------------------------------

@@ -1,8 +1,9 @@
-"""concur's layout: no import cycle, every import points down the layers, schedulers/ pure.
+"""concur's layout: no import cycle, every import points down the layers, schedulers/ pure, one door to torch's privates.
 
 The import graph is read with ``ast`` from the sources, so nothing is imported to build it. Imports
 inside functions count too: a cycle through a lazy import is still two modules that need each other.
-The layers are those drawn in docs/architecture.md.
+The layers are those drawn in docs/architecture.md. Private torch names (``torch._dynamo``,
+``module._parameters``, ``getattr(opt, "_hooks")``) are read only in ``concur/_torch_compat.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
+
+import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,3 +144,153 @@ def test_shims_keep_old_names_working():
     importlib.import_module("concur.backend")  # what the torch_dynamo_backends entry point loads
     assert callable(concur.backend) and not inspect.ismodule(concur.backend)
     assert concur.backend is importlib.import_module("concur.inductor.backend").backend
+
+
+# -- one door to torch's private names ---------------------------------------------------------------
+
+COMPAT = "concur._torch_compat"
+# The private names concur reads outside _torch_compat.py, by (module, name), and why each may be read
+# there; a name ending in "*" stands for every name it starts. Anything else private that a module
+# names belongs in _torch_compat.py, behind a check that fails closed.
+PRIVATE_ALLOWED = {
+    ("concur.training.captured_optim", "_foreach_*"): "torch's multi-tensor ops (aten ops bound as torch._foreach_*), "
+                                                       "what torch.optim's own foreach steps call",
+    ("concur.training.step", "_foreach_zero_"): "torch's multi-tensor zero, as torch.optim's zero_grad calls it",
+    ("concur.fx.capture", "_getframe"): "Python's sys._getframe, not torch's: the first caller outside concur, "
+                                        "for a warning's stacklevel",
+    ("concur.fx.capture", "_leaf_modules"): "timm's, not torch's: its fx registry where timm has no "
+                                            "get_notrace_modules(); absent reads as none",
+    ("concur.fx.capture", "_autowrap_functions"): "timm's, not torch's, as _leaf_modules",
+    ("concur.inductor.wrapper_program", "_int_mm"): "extern kernel names as inductor's wrapper text spells them: "
+                                                    "matched in the text, never read from torch",
+    ("concur.inductor.wrapper_program", "_mm_plus_mm"): "as _int_mm",
+    ("concur.inductor.wrapper_program", "_scaled_mm"): "as _int_mm",
+}
+_PRIVATE = re.compile(r"_[A-Za-z]\w*")
+_NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
+
+
+def _is_private(name: str) -> bool:
+    return bool(_PRIVATE.fullmatch(name)) and not name.startswith("__")
+
+
+def _sources() -> dict[str, ast.Module]:
+    paths = {module_name(p): p for p in sorted((ROOT / "concur").rglob("*.py")) if "__pycache__" not in p.parts}
+    return {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in paths.items()}
+
+
+def concur_owned_names(trees: dict[str, ast.Module]) -> set[str]:
+    """Private names concur gives its own modules, classes and objects (outside _torch_compat.py).
+
+    Module- and class-level definitions, and attributes a method sets on
+    ``self`` or ``cls``; a name defined in _torch_compat.py does not count,
+    since there it may be torch's own (a mixin answering nn.Module's protocol).
+    """
+    owned = set(_NAMEDTUPLE_API)
+    for mod, tree in trees.items():
+        if mod == COMPAT:
+            continue
+        bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        for body in bodies:
+            for stmt in body:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    owned.add(stmt.name)
+                elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                    owned |= {t.id for t in targets if isinstance(t, ast.Name)}
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                    and n.value.id in ("self", "cls")):
+                owned.add(n.attr)
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args
+                  and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)
+                  and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "__dict__"
+                  and isinstance(n.func.value.value, ast.Name) and n.func.value.value.id == "self"):
+                owned.add(n.args[0].value)  # self.__dict__.setdefault("_memo", ...)
+    return {name for name in owned if _is_private(name)}
+
+
+def private_torch_names(mod: str, tree: ast.Module, owned: set[str]) -> list[tuple[int, str, str]]:
+    """(line, name, how) for each private name a module reads that concur does not own.
+
+    What counts: ``import torch._x`` and ``from torch._x import y`` (or
+    ``from torch.x import _y``); an attribute ``x._y``; a string ``"_y"``
+    (``getattr(m, "_y")``, a tuple of attribute names). Strings inside
+    f-strings are parts of text, not names.
+    """
+    found = []
+    in_fstring = {id(c) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for c in n.values}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            found += [(n.lineno, part, f"import {a.name}") for a in n.names if a.name.split(".")[0] == "torch"
+                      for part in a.name.split(".") if _is_private(part)]
+        elif isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "torch":
+            found += [(n.lineno, part, f"from {n.module} import") for part in n.module.split(".") if _is_private(part)]
+            found += [(n.lineno, a.name, f"from {n.module} import {a.name}") for a in n.names if _is_private(a.name)]
+        elif isinstance(n, ast.Attribute) and _is_private(n.attr) and n.attr not in owned:
+            found.append((n.lineno, n.attr, f"{ast.unparse(n)}"))
+        elif (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in in_fstring
+              and _is_private(n.value) and n.value not in owned and "concur" not in n.value):
+            found.append((n.lineno, n.value, f"the string {n.value!r}"))
+    return found
+
+
+def _allowed(mod: str, name: str) -> bool:
+    return any(m == mod and (name == pattern or pattern.endswith("*") and name.startswith(pattern[:-1]))
+               for m, pattern in PRIVATE_ALLOWED)
+
+
+def test_private_torch_names_are_read_only_in_torch_compat():
+    """One door to what torch does not promise: every private name is read in _torch_compat.py, or allowed here."""
+    trees = _sources()
+    owned = concur_owned_names(trees)
+    bad = [f"{mod}:{line}: {how}" for mod, tree in sorted(trees.items()) if mod != COMPAT
+           for line, name, how in private_torch_names(mod, tree, owned) if not _allowed(mod, name)]
+    assert not bad, ("private names outside concur/_torch_compat.py: read them there, behind a version check "
+                     "that fails closed (or allow one in PRIVATE_ALLOWED, saying why):\n" + "\n".join(bad))
+
+
+def foreign_overrides(cls: type, defined: set[str]) -> list[tuple[str, str]]:
+    """(name, base) for each private name of ``defined`` that a base class outside concur also defines."""
+    found = []
+    for name in sorted(filter(_is_private, defined)):
+        foreign = [base for base in cls.__mro__[1:] if base is not object
+                   and not base.__module__.startswith("concur") and name in vars(base)]
+        if foreign:
+            found.append((name, f"{foreign[0].__module__}.{foreign[0].__qualname__}"))
+    return found
+
+
+def test_no_concur_class_overrides_a_private_name_of_torch():
+    """A class that answers torch's private protocol (nn.Module's ``_save_to_state_dict``) does so in _torch_compat.py."""
+    bad = []
+    for mod, tree in sorted(_sources().items()):
+        if mod in (COMPAT, "concur.__main__"):  # (importing __main__ runs the command)
+            continue
+        module = importlib.import_module(mod)
+        for node in tree.body:
+            cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+            if not inspect.isclass(cls):
+                continue
+            defined = {s.name for s in node.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            defined |= {t.id for s in node.body if isinstance(s, (ast.Assign, ast.AnnAssign))
+                        for t in (s.targets if isinstance(s, ast.Assign) else [s.target]) if isinstance(t, ast.Name)}
+            bad += [f"{mod}.{node.name}.{name} overrides {owner}'s" for name, owner in foreign_overrides(cls, defined)]
+    assert not bad, "move these overrides of torch's private names into a class of _torch_compat.py:\n" + "\n".join(bad)
+
+
+def test_the_private_name_check_sees_each_kind_of_read():
+    """The checker finds a private import, attribute and attribute-name string, and lets concur's own names be."""
+    tree = ast.parse("from torch._inductor import config\nimport torch._dynamo\nfrom torch.optim import _x\n"
+                     "m._parameters\ngetattr(opt, '_global_optimizer_pre_hooks')\nself._mine\nf'{a}_part'\n")
+    found = {(line, name) for line, name, _ in private_torch_names("concur.x", tree, {"_mine"})}
+    assert found == {(1, "_inductor"), (2, "_dynamo"), (3, "_x"), (4, "_parameters"),
+                     (5, "_global_optimizer_pre_hooks")}
+    assert _allowed("concur.training.captured_optim", "_foreach_add_") and not _allowed("concur.fx.module", "_foreach_add_")
+
+    class Wrapper(torch.nn.Module):
+        def _save_to_state_dict(self, *args):
+            pass
+
+    assert foreign_overrides(Wrapper, {"_save_to_state_dict", "_mine"}) == [
+        ("_save_to_state_dict", "torch.nn.modules.module.Module")]

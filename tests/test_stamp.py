@@ -420,20 +420,21 @@ def test_pass_uuid_is_stable_and_names_the_options():
 # -- dynamo's table of user objects ---------------------------------------------------------------
 
 
-def test_table_entries_come_back_after_dynamo_clears_the_table():
+def test_table_entries_come_back_after_dynamo_clears_or_replaces_the_table():
     from torch._dynamo import graph_bytecode_inputs
 
     call = istreams.StreamTableCall(lambda args: list(args), torch.device("cpu"), 3)
     objects = call.objects
-    objects.install()
-    table = compat.external_object_table()
     slot = istreams.stream_slot(0, True, 2)
-    assert table[slot]() is objects.streams[(True, 2)]
+    with objects.table.installed():
+        assert compat.external_object_table()[slot]() is objects.streams[(True, 2)]
     graph_bytecode_inputs.store_user_object_weakrefs(object.__new__(type("Obj", (), {})))  # a frame's objects
-    assert slot not in table
-    objects.install()
-    assert table[slot]() is objects.streams[(True, 2)]
-    assert table[istreams.event_slot(0, 5)]() is objects.events[5]
+    table = compat.external_object_table()
+    assert slot not in table if isinstance(table, dict) else len(table) == 1
+    with objects.table.installed():
+        table = compat.external_object_table()
+        assert table[slot]() is objects.streams[(True, 2)]
+        assert table[istreams.event_slot(0, 5)]() is objects.events[5]
 
 
 def test_each_call_puts_the_objects_back_and_points_the_caller_slot_at_the_current_stream(monkeypatch):
@@ -445,20 +446,44 @@ def test_each_call_puts_the_objects_back_and_points_the_caller_slot_at_the_curre
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda d=None: current)
     seen = {}
 
-    def compiled(args):  # stands in for inductor's call: it reads the slots its code names
-        table = compat.external_object_table()
-        seen["caller"] = table[istreams.stream_slot(0, False, 0)]()
-        seen["side"] = table[istreams.stream_slot(0, True, 1)]()
-        seen["event"] = table[istreams.event_slot(0, 3)]()
+    def compiled(args):  # stands in for inductor's call: it reads the slots its code names, as dynamo does
+        seen["caller"] = graph_bytecode_inputs.get_external_object_by_index(istreams.stream_slot(0, False, 0))
+        seen["side"] = graph_bytecode_inputs.get_external_object_by_index(istreams.stream_slot(0, True, 1))
+        seen["event"] = graph_bytecode_inputs.get_external_object_by_index(istreams.event_slot(0, 3))
         return [a * 2 for a in args]
 
     call = istreams.StreamTableCall(compiled, device, 2)
-    graph_bytecode_inputs.store_user_object_weakrefs()  # a frame with user streams started: table cleared
+    graph_bytecode_inputs.store_user_object_weakrefs(current)  # a frame with user streams ran: table cleared
     assert call([1, 2]) == [2, 4] and call._boxed_call
     assert seen["caller"] is current
     assert seen["side"] is call.objects.streams[(True, 1)]
     assert seen["event"] is call.objects.events[3]
     assert call.objects is istreams.StreamTableCall(compiled, device, 2).objects  # one set per device
+    table = compat.external_object_table()
+    if isinstance(table, list):  # torch >= 2.15: out again after the call, for AOTAutograd's snapshot
+        assert len(table) == 1 and table[0]() is current
+
+
+def test_a_list_table_holds_concurs_objects_only_during_the_call_so_a_backward_restores_dynamos_alone():
+    """torch 2.15 snapshots the list after a forward and writes it back before the backward, index by index."""
+    from torch._dynamo import graph_bytecode_inputs
+
+    if not isinstance(compat.external_object_table(), list):
+        pytest.skip("torch < 2.15: dynamo's table is a dict, where concur's objects stay")
+    objects = compat.ExternalObjects()
+    stream = torch.Stream(device="cpu")
+    objects.add(istreams.TABLE_BASE + 7, stream)
+    dynamos = torch.Stream(device="cpu")
+    graph_bytecode_inputs.store_user_object_weakrefs(dynamos)
+    with objects.installed():
+        assert graph_bytecode_inputs.get_external_object_by_index(istreams.TABLE_BASE + 7) is stream
+        with pytest.raises(AssertionError, match="no longer alive"):  # the padding is dead, never a wrong object
+            graph_bytecode_inputs.get_external_object_by_index(istreams.TABLE_BASE + 6)
+    assert [ref() for ref in compat.external_object_table()] == [dynamos]
+    graph_bytecode_inputs.set_external_object_by_index(1, stream)  # a backward's restore of a snapshot: fine
+    graph_bytecode_inputs.store_user_object_weakrefs(*[dynamos] * (istreams.TABLE_BASE + 8))  # up to ours
+    with pytest.raises(RuntimeError, match="reaching concur's"), objects.installed():
+        pass
 
 
 # -- training through the backend -----------------------------------------------------------------

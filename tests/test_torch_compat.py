@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -67,3 +68,104 @@ def test_a_missing_internal_names_itself_and_the_tested_range():
     low, high = compat.TESTED_TORCH
     assert f"needs torch._inductor.x, which torch {torch.__version__} does not provide (ImportError: gone)" in str(err)
     assert f"tested on torch {low[0]}.{low[1]} to {high[0]}.{high[1]}" in str(err)
+
+
+def test_op_schemas_are_read_for_op_overloads_only():
+    schema = compat.op_schema(torch.ops.aten.add_.Tensor)
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["self"]
+    assert compat.is_op_overload(torch.ops.aten.add_.Tensor)
+    for target in (torch.ops.aten.add_, torch.relu, "add_", None):  # a packet, a function, not ops at all
+        assert compat.op_schema(target) is None and not compat.is_op_overload(target)
+
+
+def test_an_op_overload_without_a_schema_fails_closed(monkeypatch):
+    """A torch that moved the schema raises: never "this op writes nothing"."""
+    op = torch.ops.aten.add_.Tensor
+    monkeypatch.delattr(op, "_schema")
+    with pytest.raises(RuntimeError, match="OpOverload._schema"):
+        compat.op_schema(op)
+
+
+def test_switching_an_optimizer_to_fused_for_gradscaler_warns_once_and_a_fused_one_not_at_all():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.Adam(params, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert compat.enable_device_side_amp_skip(opt)
+        assert compat.enable_device_side_amp_skip(opt)  # a second train_step on the same optimizer
+        assert compat.enable_device_side_amp_skip(torch.optim.SGD(params, lr=0.1, fused=True))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "Adam under GradScaler was switched to fused=True" in str(caught[0].message)
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+
+
+def test_step_hooks_are_seen_own_and_global_and_an_unknown_torch_counts_as_hooked(monkeypatch):
+    from torch.optim import optimizer as optim_module
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert not compat.optimizer_has_step_hooks(opt)
+    handle = opt.register_step_pre_hook(lambda *a: None)
+    assert compat.optimizer_has_step_hooks(opt)
+    handle.remove()
+    handle = optim_module.register_optimizer_step_post_hook(lambda *a: None)
+    assert compat.optimizer_has_step_hooks(opt)
+    handle.remove()
+    monkeypatch.delattr(optim_module, "_global_optimizer_pre_hooks")
+    assert compat.optimizer_has_step_hooks(opt)
+
+
+def test_a_step_replaced_on_the_instance_counts_unless_an_lr_scheduler_wrapped_it():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert not compat.step_replaced_on_instance(opt)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    assert not compat.step_replaced_on_instance(opt)
+    opt.step = lambda closure=None: None
+    assert compat.step_replaced_on_instance(opt)
+
+
+def test_a_view_shares_the_models_own_dicts_and_answers_its_state_dict():
+    class View(compat.StateDictOfOriginal, torch.nn.Module):
+        pass
+
+    model = torch.nn.BatchNorm1d(3)
+    view = View()
+    compat.share_module_state(view, model)
+    object.__setattr__(view, "original", model)
+    assert view._parameters is model._parameters and view._buffers is model._buffers
+    assert view.state_dict().keys() == model.state_dict().keys()
+    assert view._version == model._version
+
+
+def test_a_torch_that_keeps_module_state_elsewhere_shares_nothing():
+    model = torch.nn.Linear(2, 2)
+    del model.__dict__["_state_dict_pre_hooks"]
+    view = torch.nn.Module()
+    before = view._parameters
+    with pytest.raises(RuntimeError, match="keeps it elsewhere"):
+        compat.share_module_state(view, model)
+    assert view._parameters is before
+
+
+def test_external_objects_are_in_the_table_during_the_block_and_a_dict_table_keeps_them():
+    table = compat.external_object_table()
+    objects = compat.ExternalObjects()
+    a, b, c = torch.Event(), torch.Event(), torch.Event()
+    index = 3000  # above dynamo's own indices, below concur's (stamp.TABLE_BASE)
+    objects.add(index, a)
+    objects.add(index + 2, b)
+    try:
+        with objects.installed({index + 1: c}):
+            table = compat.external_object_table()
+            assert [table[i]() for i in (index, index + 1, index + 2)] == [a, c, b]
+        table = compat.external_object_table()
+        if isinstance(table, dict):  # torch < 2.15: they stay, and are put back only when missing
+            assert table[index]() is a
+            table[index] = weakref.ref(c)  # the sentinel (the newest, index + 2) is still there: no rewrite
+            with objects.installed():
+                assert table[index]() is c
+        else:  # torch >= 2.15: out again after the block
+            assert len(table) < index
+    finally:
+        if isinstance(table, dict):
+            for i in (index, index + 1, index + 2):
+                table.pop(i, None)

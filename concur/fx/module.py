@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import schedulers
 
+from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
@@ -25,15 +26,13 @@ from concur.fx.decision import cuda_device, decision_key, plan_timer
 FALLBACKS = ("error", "eager")
 
 
-# What a ConcurModule takes from its original model: the same dict objects, so each change through
-# either object is seen by both (parameters, buffers, submodules, state-dict hooks).
-_SHARED = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set", "_state_dict_hooks",
-           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-# What a ConcurModule derives and rebuilds after a copy instead of copying it.
-_DERIVED = frozenset(_SHARED) | {"original", "_options", "_plans", "_plan_attrs"}
+# What a ConcurModule derives and rebuilds after a copy instead of copying it: the original model's own
+# dicts it shares (compat.share_module_state), a compiled call bound to it, and its plans.
+_DERIVED = frozenset(compat.MODULE_SHARED_STATE) | {compat.MODULE_COMPILED_CALL, "original", "_options", "_plans",
+                                                    "_plan_attrs"}
 
 
-class ConcurModule(nn.Module):
+class ConcurModule(compat.StateDictOfOriginal, nn.Module):
     """A model whose forward runs a concurrent plan; everything else is the original model.
 
     It shares the original model's submodule, parameter and buffer
@@ -67,8 +66,7 @@ class ConcurModule(nn.Module):
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
-        for name in _SHARED:
-            object.__setattr__(self, name, getattr(model, name))
+        compat.share_module_state(self, model)
         object.__setattr__(self, "original", model)
         self._options = options
         self._plans: dict[tuple[bool, ...], Plan] = {}
@@ -91,16 +89,6 @@ class ConcurModule(nn.Module):
         self.original.train(mode)
         return self
 
-    @property
-    def _version(self) -> int:  # type: ignore[override]
-        return self.original._version  # state_dict metadata: the original's format version
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        self.original._save_to_state_dict(destination, prefix, keep_vars)  # its extra state included
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self.original._load_from_state_dict(*args, **kwargs)
-
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -112,7 +100,7 @@ class ConcurModule(nn.Module):
 
     def __reduce__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in _DERIVED and k not in self._plan_attrs and k != "_compiled_call_impl"}
+                 if k not in _DERIVED and k not in self._plan_attrs}
         return _rebuild, (self.original, self._options), state
 
     def _decided_plan(self, inputs: tuple) -> Plan:

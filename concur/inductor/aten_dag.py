@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from concur import _torch_compat as compat
 from concur.dag.annotate import RNG, tensors_in
 from concur.dag.cost import Roofline, resource_shares
 from concur.dag.hazards import hazard_edges
@@ -73,13 +74,7 @@ def is_unpack(node: fx.Node) -> bool:
 
 
 def _schema(node: fx.Node) -> torch.FunctionSchema | None:
-    return getattr(node.target, "_schema", None)
-
-
-def is_mutating(node: fx.Node) -> bool:
-    """Return True if the op writes into one of its arguments."""
-    schema = _schema(node)
-    return bool(schema is not None and schema.is_mutable)
+    return compat.op_schema(node.target)
 
 
 def is_seeded_random(node: fx.Node) -> bool:

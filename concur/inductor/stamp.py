@@ -52,9 +52,11 @@ Stream and event objects live in dynamo's table of user objects
 (``torch._dynamo.graph_bytecode_inputs``) at fixed indices far above those
 dynamo hands out (0, 1, 2, ... per frame), so the generated code and
 inductor's FX graph cache key depend only on the graph and the options.
-Dynamo clears that table when a frame with user streams starts, so
-:class:`StreamTableCall` checks it before each call of a compiled graph and
-puts concur's objects back when they are missing; it also points the
+Dynamo clears that table (2.15: replaces it) when a frame with user
+objects runs, so :class:`StreamTableCall` checks it before each call of a
+compiled graph and puts concur's objects back when they are missing (2.15:
+puts them in for the call and takes them out after it, see
+:class:`concur._torch_compat.ExternalObjects`); it also points the
 caller-stream index at the current stream.
 
 The fx graph is also put in the schedule's issue order, and inductor's
@@ -62,8 +64,8 @@ reordering for peak memory is off while it compiles (``keep_order``): with it
 on, inductor issued a stream-0 consumer before the third branch's matmul.
 
 Not measured on a GPU: the H100 machine has torch 2.11, which lacks this
-machinery (only ``make_fallback`` of the two event ops); 2.13.0 and 2.14.1
-have it. What is tested, on CPU with both: the stamps, the syncs against a
+machinery (only ``make_fallback`` of the two event ops); 2.13.0, 2.14.1 and
+2.15.0 have it. What is tested, on CPU with each: the stamps, the syncs against a
 happens-before oracle, the stream contexts and event order of inductor's CPU
 wrapper and of its CUDA wrapper generated without a GPU (device properties
 faked, extern kernels only), the FX graph cache, and training values
@@ -77,8 +79,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import operator
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -92,9 +94,10 @@ from concur.dag import decide
 from concur.dag.cost import Roofline
 from concur.inductor.aten_dag import build_aten_dag, is_unpack, is_view, root
 
-# Indices in dynamo's user-object table: far above dynamo's own (0, 1, ... per frame).
-TABLE_BASE = 1 << 30
-_DEVICE_STRIDE = 1 << 16   # per device index
+# Indices in dynamo's user-object table: far above dynamo's own (0, 1, ... per frame), and few enough for
+# torch 2.15's table, a list that compat pads up to them (about 4k entries more per device).
+TABLE_BASE = 1 << 12
+_DEVICE_STRIDE = 1 << 12   # per device index: 2 * _KIND_STRIDE streams, then MAX_EVENTS events
 _KIND_STRIDE = 128         # forward / backward side streams
 MAX_STREAMS = _KIND_STRIDE
 EVENT_OFFSET = 2 * _KIND_STRIDE
@@ -408,7 +411,7 @@ class _Rewriter:
 
     @staticmethod
     def _written_by(v: fx.Node, a: fx.Node) -> bool:
-        schema = getattr(v.target, "_schema", None)
+        schema = compat.op_schema(v.target)
         if schema is None:
             return False
         for arg, value in zip(schema.arguments, v.args):
@@ -608,27 +611,22 @@ class _DeviceObjects:
         self.index = device.index or 0
         self.streams: dict[tuple[bool, int], torch.Stream] = {}
         self.events = [torch.Event(device=device) for _ in range(MAX_EVENTS)]
-        self.entries: dict[int, Any] = {event_slot(self.index, j): e for j, e in enumerate(self.events)}
-        self.sentinel, self.sentinel_slot = self.events[0], event_slot(self.index, 0)
+        self.table = compat.ExternalObjects()
+        for j, event in enumerate(self.events):
+            self.table.add(event_slot(self.index, j), event)
 
     def ensure(self, streams: int) -> None:
         for kind in (False, True):
             for s in range(1, min(streams, MAX_STREAMS)):
                 if (kind, s) not in self.streams:
                     self.streams[(kind, s)] = stream = torch.Stream(device=self.device)
-                    slot = stream_slot(self.index, kind, s)
-                    self.entries[slot] = stream
-                    # the newest entry: while it is in the table, so are all the others
-                    self.sentinel, self.sentinel_slot = stream, slot
+                    self.table.add(stream_slot(self.index, kind, s), stream)
 
-    def install(self) -> None:
-        table = compat.external_object_table()
-        ref = table.get(self.sentinel_slot)
-        if ref is None or ref() is not self.sentinel:
-            table.update({i: weakref.ref(obj) for i, obj in self.entries.items()})
-
-
-_DEVICE_OBJECTS: dict[torch.device, _DeviceObjects] = {}
+    @staticmethod
+    @functools.cache
+    def of(device: torch.device) -> "_DeviceObjects":
+        """Return the device's one set in this process: every graph's code (cached too) fetches the same indices."""
+        return _DeviceObjects(device)
 
 
 class StreamTableCall:
@@ -639,22 +637,18 @@ class StreamTableCall:
     stream current when it is called.
     """
 
-    _boxed_call = True
-
     def __init__(self, compiled: Callable, device: torch.device, streams: int):
         self.compiled = compiled
         self.device = device
-        if device not in _DEVICE_OBJECTS:
-            _DEVICE_OBJECTS[device] = _DeviceObjects(device)
-        self.objects = _DEVICE_OBJECTS[device]
+        compat.mark_boxed(self)
+        self.objects = _DeviceObjects.of(device)
         self.objects.ensure(streams)
         self.caller_slot = stream_slot(device.index or 0, False, CALLER)
 
     def __call__(self, args: list) -> Any:
-        self.objects.install()
         caller = torch.accelerator.current_stream(self.device)
-        compat.external_object_table()[self.caller_slot] = weakref.ref(caller)
-        return self.compiled(args)
+        with self.objects.table.installed({self.caller_slot: caller}):
+            return self.compiled(args)
 
     def __getattr__(self, name: str) -> Any:  # inductor's attributes (e.g. source_code) stay readable
         if name == "compiled":  # not set yet (e.g. while copying): no recursion

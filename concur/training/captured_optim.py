@@ -43,27 +43,14 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     cls = type(optimizer)
     if cls not in SUPPORTED:
         return f"{cls.__name__} is not one of SGD, Adam, AdamW"
-    step = optimizer.__dict__.get("step")
-    if step is not None and not any(hasattr(step, a) for a in ("_wrapped_by_lr_sched", "_with_counter")):
-        # (lr schedulers wrap it to note that it was called)
+    if compat.step_replaced_on_instance(optimizer):  # (an lr scheduler's wrapper does not count)
         return f"{cls.__name__}.step was replaced on the instance"
-    if _has_step_hooks(optimizer):
+    if compat.optimizer_has_step_hooks(optimizer):
         return f"{cls.__name__} has step hooks, which only optimizer.step() runs"
     for group in optimizer.param_groups:
         if group.get("differentiable", False):
             return "a param group has differentiable=True"
     return None
-
-
-def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.optim import optimizer as optim_module
-
-    own = (getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks", None))
-    shared = (getattr(optim_module, "_global_optimizer_pre_hooks", None),
-              getattr(optim_module, "_global_optimizer_post_hooks", None))
-    if any(h is None for h in own + shared):  # a torch that keeps them elsewhere: assume there are hooks
-        return True
-    return any(len(h) for h in own + shared)
 
 
 def structure(optimizer: torch.optim.Optimizer) -> tuple:
