@@ -167,10 +167,12 @@ def test_cache_lists_and_clears(tmp_path, capsys):
     assert TunerCache(tmp_path).get("k1") is None
 
 
-def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code():
+def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code(tmp_path):
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "concur", "no-such-command"], capture_output=True, text=True)
+    # from an empty folder: a clone's parent folder holds a concur/ without __init__.py, which -m would import
+    done = subprocess.run([sys.executable, "-m", "concur", "no-such-command"], capture_output=True, text=True,
+                          cwd=tmp_path)
     assert done.returncode == 2 and "usage: concur" in done.stderr
 
 
