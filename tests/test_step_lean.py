@@ -12,6 +12,7 @@ on CUDA). Ops that launch no kernel (views, detach) are left out.
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 import torch
@@ -128,3 +129,54 @@ def test_setup_copies_the_model_only_when_warm_up_changes_it(graphs, monkeypatch
     snapshot = taken[0]
     assert snapshot.weights is copies_weights
     assert (snapshot.saved_elements() >= buffers + params) is copies_weights
+
+
+def test_setup_runs_the_model_only_on_the_warm_up_stream(monkeypatch):
+    """Annotating the plan, trying the example batch, warm-up: all on one side stream, none on the caller's.
+
+    The caching allocator keeps freed blocks per stream and cuBLAS a workspace
+    per stream (32 MiB on an H100): a forward on the caller's stream at setup
+    would hold a second set beside the warm-up's for as long as the step lives.
+    """
+    from tests.test_step_habits import EmulatedGraphs
+
+    inside = [False]
+    outside_forwards = []
+
+    class OneSideStream(EmulatedGraphs):
+        def side_stream(self):
+            @contextlib.contextmanager
+            def entered():
+                inside[0] = True
+                try:
+                    yield
+                finally:
+                    inside[0] = False
+            return entered()
+
+        def capture(self, body, step):  # the capture stream and replays: the graph's own work, not setup's
+            def allowed(fn):
+                def run(*args):
+                    inside[0] = True
+                    try:
+                        return fn(*args)
+                    finally:
+                        inside[0] = False
+                return run
+            graph, out = allowed(super().capture)(body, step)
+            graph.replay = allowed(graph.replay)
+            return graph, out
+
+    runner = OneSideStream()
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    model = make_model()
+    for m in (model, next(model.children())):  # the model (batch checks) and a layer (annotation, warm-up)
+        m.register_forward_pre_hook(lambda m, args: None if inside[0] else outside_forwards.append(1))
+    (x, y), = make_batches(1)
+    for streams in (1, 2):
+        outside_forwards.clear()
+        step = concur.train_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), (x, y),
+                                 streams=streams)
+        step(x, y)  # warm-up and capture
+        assert runner.captures and not outside_forwards, streams
+        del step

@@ -139,7 +139,7 @@ class BatchChecks:
         devices = {t.device for t in tensors_in((inputs, targets))} | {p.device for p in model.parameters()}
         output = None
         try:
-            with preserved_state(model, devices), torch.no_grad(), self._autocast(inputs):
+            with step.setup_stream(), preserved_state(model, devices), torch.no_grad(), self._autocast(inputs):
                 output = model(*inputs)
                 loss = step.loss_fn(output, targets)
         except (torch.OutOfMemoryError, MemoryError):
@@ -159,8 +159,8 @@ class BatchChecks:
     def _where(self, inputs: tuple, devices: set) -> str:
         """Return the innermost submodule raising on ``inputs``: the model runs again, under hooks (failures only)."""
         found: list[str] = []
-        with contextlib.suppress(Exception), preserved_state(self.step.model, devices), torch.no_grad(), \
-                self._autocast(inputs), _innermost_module(self.step.model, found):
+        with contextlib.suppress(Exception), self.step.setup_stream(), preserved_state(self.step.model, devices), \
+                torch.no_grad(), self._autocast(inputs), _innermost_module(self.step.model, found):
             self.step.model(*inputs)
         return found[0] if found else "the model"
 

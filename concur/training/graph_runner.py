@@ -30,6 +30,7 @@ class Captured:
     static_loss: torch.Tensor
     streams: int
     grads: dict = field(default_factory=dict)  # parameter -> the gradient tensor the graph writes
+    static_batch: list = field(default_factory=list)  # the static inputs' and targets' tensors, in order
 
 
 class CudaGraphRunner:

@@ -32,6 +32,7 @@ cost no more than PyTorch's own whole-step capture (``experiments/peers.py``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import OrderedDict
@@ -62,8 +63,15 @@ _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda
               "stream_priority", "split_weight_grads")
 
 
-def _signature(inputs: tuple, targets: Any) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tensors_in((inputs, targets)))
+def _batch_tensors(inputs: tuple, targets: Any) -> list[torch.Tensor]:
+    """The batch's tensors in order; a plain tuple of tensors (the usual batch) without walking a tree."""
+    if isinstance(targets, torch.Tensor) and all(isinstance(x, torch.Tensor) for x in inputs):
+        return [*inputs, targets]
+    return tensors_in((inputs, targets))
+
+
+def _signature(tensors: list[torch.Tensor]) -> tuple:
+    return tuple([(t.shape, t.dtype, t.device) for t in tensors])
 
 
 def _auto_configuration(*args: Any, **kwargs: Any) -> tuple[int, str, bool]:
@@ -104,9 +112,9 @@ class TrainStep:
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
         self.failed_streams: set[int] = set()  # stream counts whose capture failed: not tried again
-        self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
+        self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
         if cuda_graph and self._runner is None:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
                           "in issue order (same results as the plain loop).", stacklevel=3)
@@ -171,10 +179,21 @@ class TrainStep:
                                                  **self.compile_options)
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
-                self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
-                                                     scheduler=self.scheduler,
-                                                     split_weight_grads=self.split_weight_grads)
+                with self.setup_stream():  # the run that annotates the plan
+                    self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
+                                                         scheduler=self.scheduler,
+                                                         split_weight_grads=self.split_weight_grads)
         return self.modules[streams]
+
+    def setup_stream(self) -> contextlib.AbstractContextManager:
+        """Where setup runs the model outside warm-up (annotating the plan, trying a batch): the warm-up's stream.
+
+        The caching allocator keeps freed blocks per stream, and cuBLAS a
+        workspace per stream (32 MiB on an H100), so work on the caller's
+        stream would leave a second set beside the warm-up's, held for good.
+        """
+        runner = getattr(self, "_runner", None)  # None while __init__ has not made it, and without graphs
+        return runner.side_stream() if runner is not None else contextlib.nullcontext()
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -290,7 +309,10 @@ class TrainStep:
         return hyperparameter_key(self.optimizer, device_values=self._hyper is not None)
 
     def _graph_call(self, inputs: tuple, targets: Any, phase: tuple[bool, bool]) -> torch.Tensor:
-        key = (_signature(inputs, targets), phase, self._state_key())
+        # Everything before replay() is host time the device may wait for (a loop that reads the loss
+        # every step): keep it to one key and one lookup.
+        batch = _batch_tensors(inputs, targets)
+        key = (_signature(batch), phase, self._state_key())
         captured = self.graphs.get(key)
         baked = self._hyperparameter_key() if self._hyper is None else None
         if captured is None and key not in self.eager_keys:
@@ -299,13 +321,13 @@ class TrainStep:
         self._last_baked = baked
         if captured is None:
             return self._eager(inputs, targets, self._module(1), phase)
-        self.graphs.move_to_end(key)
+        if captured is not self._bound:
+            self.graphs.move_to_end(key)
         if self._hyper is not None:
             self._hyper.refresh()
         if not phase[0]:
             self._gradients_into(captured)
-        for static, new in zip(tensors_in((captured.static_inputs, captured.static_targets)),
-                               tensors_in((inputs, targets))):
+        for static, new in zip(captured.static_batch, batch):
             static.copy_(new, non_blocking=True)
         captured.graph.replay()
         self._bind_gradients(captured)
@@ -450,7 +472,8 @@ class TrainStep:
         finally:
             snapshot.restore()
             runner.synchronize()
-        return Captured(graph, static_inputs, static_targets, loss, streams, grads)
+        return Captured(graph, static_inputs, static_targets, loss, streams, grads,
+                        static_batch=_batch_tensors(static_inputs, static_targets))
 
     def _captured_optimizer_step(self, reached: list[torch.Tensor]) -> Callable[[], Any]:
         """The update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
