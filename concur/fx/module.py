@@ -16,12 +16,12 @@ import schedulers
 from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
-from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
+from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
-from concur.fx.plan import Plan, analyse, device_name, generate_plan, schedule_ops
 from concur.fx.decision import cuda_device, decision_key, plan_timer
+from concur.fx.plan import Plan, analyse, device_name, generate_plan, schedule_ops
 
 FALLBACKS = ("error", "eager")
 
