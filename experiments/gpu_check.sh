@@ -26,6 +26,8 @@
 #                  the fused envelope and sanitizer (GoogLeNet, ResNet-50); $OUT/lean.txt, $OUT/lean_logs.tgz
 #   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
+#   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
+#                  (GoogLeNet, ResNet-50) and memory_diff side by side; then experiments/decision_check.py alone
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -149,6 +151,22 @@ for step in "$@"; do
                timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 15 )) python3 experiments/step_gap.py $a \
                  --json "$OUT/gap_time.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/gap_time.txt"
              done ;;
+    final28) begin_parallel final28  # correctness side by side, then the measured decisions alone (timing)
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
+             t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             fused_checks ordered_reuse "googlenet resnet50" "googlenet resnet50"
+             for who in recipe concur; do
+               t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/final_memory.jsonl
+             done
+             t mem_googlenet_compiled_concur4 python3 experiments/memory_diff.py --model googlenet --compile \
+               --who concur --streams 4 --json $OUT/final_memory.jsonl
+             end_parallel final28 " passed\| failed\|Error\|sanitized run finished\|deviation\|kernels per\|memory, concur\|_mb" 5 900
+             timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 experiments/decision_check.py \
+               --models torchvision:googlenet torchvision:resnet50 timm:skresnet18 --batch 32 2>&1 \
+               | grep -v Warning | tee "$OUT/decision_fused.txt" | tail -30 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

@@ -378,3 +378,27 @@ def test_setup_errors_use_train_steps_argument_names(capfd):
         make_step(example=(torch.randn(2, 5, 8, 8), y))
     assert "`model(example_batch[0])` accepts" in str(info.value) and "example_inputs" not in str(info.value)
     assert capfd.readouterr().err == ""
+
+
+def test_an_error_that_is_not_the_batchs_fault_goes_through_unchanged():
+    """A model raising something no bad batch causes (here a user's own exception class) is not told as the batch's
+    fault: the CUDA sanitizer's race report, for one, must reach the user as it is."""
+    class Race(Exception):
+        pass
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1  # 1: fx traces it; 2: the batch check runs it
+            if self.calls == 2:
+                raise Race("detected 1 errors")
+            return self.fc(x)
+
+    model = Model()
+    with pytest.raises(Race):
+        concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                          (torch.randn(3, 4), torch.zeros(3, dtype=torch.long)), streams=1)

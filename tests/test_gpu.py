@@ -59,7 +59,9 @@ def test_optimize_matches_original_with_4_streams(name):
     model = make().train().cuda()
     copies = [copy.deepcopy(model) for _ in range(3)]
     x = torch.randn(batch, 3, size, size, device="cuda")
-    ref, one, four = copies[0], concur.optimize(copies[1], (x,), streams=1), concur.optimize(copies[2], (x,), streams=4)
+    # measure=False: this checks the 4-stream plan's numerics, whichever plan a timing would keep
+    ref, one = copies[0], concur.optimize(copies[1], (x,), streams=1)
+    four = concur.optimize(copies[2], (x,), streams=4, measure=False)
     assert four.schedule.num_streams > 1
     grads, outs = [], []
     for m in (ref, one, four):

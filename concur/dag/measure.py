@@ -68,9 +68,14 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         for program in (one_stream, streams):
+            # captured on a stream ordered after the caller's work and before what the caller does next, as
+            # the sanitizer (which sees captured kernels as run) and any later reader of the same buffers need
+            capture = torch.cuda.Stream()
+            capture.wait_stream(caller)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture):
                 program()
+            caller.wait_stream(capture)
             graphs.append(graph)
         times: list[tuple[float, float]] = []
         for r in range(rounds):

@@ -55,6 +55,11 @@ class _Names:
         return f"model({self.inputs})" if self.count == 1 else f"model(*{self.inputs})"
 
 
+# What a model or loss raises on a batch it cannot take (shape, dtype, device, index errors). Anything else
+# (the CUDA sanitizer's race report, a KeyboardInterrupt, a user's own exception) is not the batch's fault
+# and goes through as it is.
+BATCH_FAULTS = (RuntimeError, ValueError, TypeError, IndexError)
+
 AT_SETUP = "example_batch[0]", "example_batch[1]"
 AT_CALL = "inputs", "targets"
 
@@ -144,7 +149,7 @@ class BatchChecks:
                 loss = step.loss_fn(output, targets)
         except (torch.OutOfMemoryError, MemoryError):
             raise
-        except Exception as cause:
+        except BATCH_FAULTS as cause:
             if output is None:
                 return self._model_error(cause, inputs, names, self._where(inputs, devices), setup)
             return self._loss_error(cause, output, targets, names, setup)
