@@ -220,3 +220,26 @@ def test_the_kernel_is_the_function_named_like_it_not_a_helper_before_it():
     sig = _triton_signature(HELPER_FIRST, "kern")
     assert sig.params == ("in_ptr0", "out_ptr0", "xnumel", "XBLOCK") and "in_ptr0" in sig.written
     assert _triton_signature(HELPER_FIRST) is None  # two jitted functions and no name: not guessed
+
+
+ALIGNMENT_COPY = """
+import torch
+def call(args):
+    arg0_1, arg1_1 = args
+    args.clear()
+    buf0 = extern_kernels.mm(arg1_1, arg1_1)
+    arg0_1 = copy_if_misaligned(arg0_1)
+    buf1 = extern_kernels.mm(arg0_1, arg0_1)
+    return (buf0, buf1, )
+"""
+
+
+def test_an_alignment_copy_is_a_launch_its_readers_wait_for_and_others_do_not():
+    """``x = copy_if_misaligned(x)`` (torch >= 2.14) may copy x on its stream: x's readers come after it."""
+    program = parse_wrapper_source(ALIGNMENT_COPY)
+    copy = by_code(program, "arg0_1 = copy_if_misaligned(arg0_1)")
+    reader, other = by_code(program, "buf1 = extern_kernels.mm"), by_code(program, "buf0 = extern_kernels.mm")
+    assert copy.kind == "launch" and copy.writes == {"arg0_1"} and copy.bind_group == "arg0_1"
+    dag = launch_dag(program, {}, default_cost=1.0)
+    assert nx.has_path(dag, copy.index, reader.index)
+    assert not nx.has_path(dag, copy.index, other.index) and not nx.has_path(dag, other.index, copy.index)

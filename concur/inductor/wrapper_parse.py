@@ -47,7 +47,7 @@ from concur.dag.annotate import RNG
 # KernelSignature and kernel_signatures stay importable from here, where they were first; so do the
 # program's types (now in wrapper_program) and the reuse analysis (now in wrapper_reuse)
 from concur.inductor.kernel_signatures import _ALLOCATORS, KernelSignature, _dotted, kernel_signatures
-from concur.inductor.wrapper_program import (_EXTERN_OUT_ONLY, _HOST_CHECKS, _INPLACE_METHODS, _STREAM_GETTERS,
+from concur.inductor.wrapper_program import (_ALIGNING_COPIES, _EXTERN_OUT_ONLY, _HOST_CHECKS, _INPLACE_METHODS, _STREAM_GETTERS,
                                             _VIEWS, WORLD, KernelProgram, Reuse, Statement, UnsupportedWrapper,
                                             _bind_schema, _kernel_of, _names, _resolve, _stored)
 from concur.inductor.wrapper_reuse import Storages, reuse_lines, splittable_reuses
@@ -57,8 +57,9 @@ __all__ = ["WORLD", "TESTED_TORCH_VERSIONS", "KernelProgram", "KernelSignature",
            "source_namespace"]
 
 # torch versions whose real wrappers are checked in (tests/fixtures/wrappers) and checked against inductor's
-# own scheduler by tests/test_golden_wrappers.py: 2.11 on an H100 (triton), 2.13 and 2.14.1 on CPU (C++)
-TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0", "2.14.1")
+# own scheduler by tests/test_golden_wrappers.py: 2.11 on an H100 (triton); 2.13.0, 2.14.1 and 2.15.0 on CPU (C++),
+# and their CUDA wrappers (triton) generated on the CPU with the device faked
+TESTED_TORCH_VERSIONS = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 
 # -- the call function -------------------------------------------------------------------------
@@ -324,6 +325,12 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
                                                *(_names(k.value) for k in call.keywords if k.arg != "out")), groups)
         else:  # an extern kernel whose writes we do not know: everything it is given may be written
             writes = set(reads)
+    elif (func in _ALIGNING_COPIES and len(call.args) == 1 and not call.keywords
+          and isinstance(call.args[0], ast.Name) and groups.get(call.args[0].id) is not None and target is not None):
+        # the argument itself, or a copy of it made now on this statement's stream: either way its readers
+        # must come after this statement, so it reads and writes the argument's group and binds the name to it
+        output_alias = groups.get(call.args[0].id)
+        reads, writes = {output_alias}, {output_alias}
     elif (isinstance(call.func, ast.Attribute) and call.func.attr in _INPLACE_METHODS
           and isinstance(call.func.value, ast.Name) and groups.get(call.func.value.id) is not None
           and target is None):

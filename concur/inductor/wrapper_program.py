@@ -25,6 +25,9 @@ _VIEWS = {"reinterpret_tensor", "as_strided", "alias"}
 _HOST_CHECKS = {"assert_size_stride", "assert_size_stride_grouped", "assert_tensor_metadata",
                 "assert_alignment", "check_alignment", "set_device"}  # host-side only: no kernel
 _STREAM_GETTERS = {"get_raw_stream"}
+# ``x = copy_if_misaligned(x)`` (torch >= 2.14, CUDA): x itself, or a copy of it where its data is not aligned
+# as the kernels reading it need
+_ALIGNING_COPIES = {"copy_if_misaligned"}
 # ``buf.zero_()``: how inductor zeroes a workspace or the graph's semaphores before the kernels using them
 _INPLACE_METHODS = {"zero_"}
 # extern kernels that write only their ``out=`` (and the tensor they return); any other writes every argument
