@@ -294,3 +294,14 @@ def test_the_private_name_check_sees_each_kind_of_read():
 
     assert foreign_overrides(Wrapper, {"_save_to_state_dict", "_mine"}) == [
         ("_save_to_state_dict", "torch.nn.modules.module.Module")]
+
+
+def test_importing_concur_registers_nothing_and_leaves_dynamo_unimported(tmp_path):
+    """torch.compile finds the backend through its entry point; ``import concur`` pays for no torch._dynamo."""
+    import subprocess
+    import sys
+
+    code = "import sys, concur\nprint(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
