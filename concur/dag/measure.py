@@ -51,32 +51,30 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
     """Return, per round, the ms of one replay of ``one_stream`` and of ``streams``, each captured in a CUDA graph.
 
     Both callables run their program on fixed inputs (a CUDA graph replays
-    the same addresses). Warm-up runs on a side stream, as
-    ``torch.cuda.graph`` requires for what it then captures; the two graphs
-    share one memory pool, which is safe because they never run at once and
-    nobody reads their outputs.
+    the same addresses). Warm-up and capture run on one stream that is not
+    the device's default stream, as ``torch.cuda.graph`` requires: the
+    caller's own where it is a side stream already (``train_step`` sets up
+    on one), else a side stream kept per device. Each new stream would cost
+    a cuBLAS workspace (32 MiB on an H100) and cached blocks of its own, held
+    for the life of the process. The two graphs share one memory pool, which
+    is safe because they never run at once and nobody reads their outputs.
     """
     with torch.cuda.device(device):
         caller = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(caller)
-        with torch.cuda.stream(side):
+        work = caller if caller != torch.cuda.default_stream() else _side_stream(device)
+        work.wait_stream(caller)
+        with torch.cuda.stream(work):
             for _ in range(warmup):
                 one_stream()
                 streams()
-        caller.wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         for program in (one_stream, streams):
-            # captured on a stream ordered after the caller's work and before what the caller does next, as
-            # the sanitizer (which sees captured kernels as run) and any later reader of the same buffers need
-            capture = torch.cuda.Stream()
-            capture.wait_stream(caller)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture):
+            with torch.cuda.graph(graph, pool=pool, stream=work):
                 program()
-            caller.wait_stream(capture)
             graphs.append(graph)
+        caller.wait_stream(work)
         times: list[tuple[float, float]] = []
         for r in range(rounds):
             ms = {}
@@ -91,6 +89,17 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
             times.append((ms[0], ms[1]))
         del graphs
         return times
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream measurements use on ``device`` when called from its default stream."""
+    key = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(key)
+    return _SIDE_STREAMS[key]
 
 
 def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
