@@ -11,6 +11,7 @@ subprocess.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -19,6 +20,10 @@ from concur._torch_compat import cuda_sanitizer
 from concur.streams import StreamRuntime
 from tests.gpu_fused_models import FUSED_MODELS
 from tests.test_gpu import _loss
+
+# The sanitizer checks the multi-stream plan, so it is not left to a timing: under CSAN every kernel launch is
+# slowed by its bookkeeping, and a measured decision would keep one stream and leave nothing to check.
+os.environ.setdefault("CONCUR_MEASURE", "0")
 
 
 def main() -> None:

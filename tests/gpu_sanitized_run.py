@@ -7,6 +7,7 @@ Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--model googlen
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
 
+import os
 import sys
 
 import torch
@@ -15,6 +16,10 @@ import torchvision
 import concur
 from concur._torch_compat import cuda_sanitizer
 from concur.streams import StreamRuntime
+
+# The sanitizer checks the multi-stream plan, so it is not left to a timing: under CSAN every kernel launch is
+# slowed by its bookkeeping, and a measured decision would keep one stream and leave nothing to check.
+os.environ.setdefault("CONCUR_MEASURE", "0")
 
 if "--plant-missing-wait" in sys.argv:
     StreamRuntime.wait = lambda self, event: None  # the planted bug CSAN must report
