@@ -1,4 +1,4 @@
-"""The ``concur`` command: ``inspect`` a model's plan, run the ``demo``, write a ``report``, clear the tuner ``cache``.
+"""The ``concur`` command: ``inspect`` a model's plan, run the ``demo``, write a ``report``, list or clear the ``cache``.
 
 A mistake on the command line (an unknown model, an input too small for it, a
 missing run directory) prints one line saying what to do and exits with 2;
@@ -188,16 +188,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
+    from concur.dag.disk_cache import JsonCache
     from concur.observe.tune_cache import TunerCache
 
-    cache = TunerCache(args.dir)
-    if args.action == "clear":
-        print(f"removed {cache.clear()} cached tuner choice(s) from {cache.path}")
-    else:
-        entries = cache.entries()
-        print(f"{len(entries)} cached tuner choice(s) in {cache.path}")
-        for e in entries:
-            print(f"  {e.name}")
+    # both caches a later run reads instead of measuring again: the tuner's choices and the stream decisions
+    caches = (("cached tuner choice(s)", TunerCache(args.dir)), ("measured stream decision(s)", JsonCache(args.dir)))
+    for what, cache in caches:
+        if args.action == "clear":
+            print(f"removed {cache.clear()} {what} from {cache.path}")
+        else:
+            entries = cache.entries()
+            print(f"{len(entries)} {what} in {cache.path}")
+            for e in entries:
+                print(f"  {e.name}")
     return 0
 
 
@@ -264,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     cache = sub.add_parser("cache", parents=[debug],
-                           help="list or clear the tuner's cached choices (streams='auto')")
+                           help="list or clear what later runs reuse: the tuner's choices (streams='auto') and "
+                                "the measured stream decisions")
     cache.add_argument("action", choices=["clear", "list"], help="what to do with the cache; required")
     cache.add_argument("--dir", default=None,
                        help="cache directory (default: $CONCUR_CACHE_DIR, else ~/.cache/concur)")

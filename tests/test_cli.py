@@ -157,14 +157,21 @@ def test_demo_checks_against_the_original_and_catches_a_wrong_plan(capsys, monke
 
 
 def test_cache_lists_and_clears(tmp_path, capsys):
+    """Both caches a later run reads instead of measuring: the tuner's choices and the measured decisions."""
+    from concur.dag.disk_cache import JsonCache
     from concur.observe.tune_cache import TunerCache
 
     TunerCache(tmp_path).put("k1", {"streams": 2})
+    JsonCache(tmp_path).put("d1", {"streams": 1})
     assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.splitlines() == [f"1 cached tuner choice(s) in {tmp_path / 'tuner'}", "  k1.json"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"1 cached tuner choice(s) in {tmp_path / 'tuner'}", "  k1.json",
+        f"1 measured stream decision(s) in {tmp_path / 'decisions'}", "  d1.json"]
     assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == f"removed 1 cached tuner choice(s) from {tmp_path / 'tuner'}\n"
-    assert TunerCache(tmp_path).get("k1") is None
+    assert capsys.readouterr().out.splitlines() == [
+        f"removed 1 cached tuner choice(s) from {tmp_path / 'tuner'}",
+        f"removed 1 measured stream decision(s) from {tmp_path / 'decisions'}"]
+    assert TunerCache(tmp_path).get("k1") is None and JsonCache(tmp_path).get("d1") is None
 
 
 def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code(tmp_path):
