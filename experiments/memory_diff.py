@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import json
 
 import torch
-import torch.nn as nn
 
-from experiments.step_gap import _model
 from experiments import peers
+from experiments.step_gap import setup
 
 _OURS = ("/concur/", "/experiments/", "/torchvision/models/")
 
@@ -66,13 +64,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    model, size = _model(args.model)
-    model = model.cuda().to(memory_format=torch.channels_last).train()
-    batch = (torch.randn(args.batch, 3, size, size, device="cuda").to(memory_format=torch.channels_last),
-             torch.randint(0, 1000, (args.batch,), device="cuda"))
-    loss_fn = nn.CrossEntropyLoss()
-    opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    model, batch, loss_fn, opt = setup(args.model, args.batch)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

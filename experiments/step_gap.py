@@ -25,12 +25,14 @@ import copy
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torchvision
 
 import concur
+from concur.observe.timing import cuda_block_ms
 from experiments import peers
 
 
@@ -39,19 +41,23 @@ def _model(name: str) -> tuple[nn.Module, int]:
     return getattr(torchvision.models, name)(**kwargs), 299 if name == "inception_v3" else 224
 
 
+def setup(name: str, batch_size: int) -> tuple[nn.Module, tuple, nn.Module, Callable]:
+    """The runs' common ground: a seeded channels-last model on the GPU, a batch, the loss and the optimizer."""
+    torch.manual_seed(0)
+    model, size = _model(name)
+    model = model.cuda().to(memory_format=torch.channels_last).train()
+    batch = (torch.randn(batch_size, 3, size, size, device="cuda").to(memory_format=torch.channels_last),
+             torch.randint(0, 1000, (batch_size,), device="cuda"))
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    return model, batch, nn.CrossEntropyLoss(), optimizer
+
+
 def _time(fns: dict, rounds: int, steps: int) -> dict:
-    """Median ms per call of each function, over alternating rounds of ``steps`` calls."""
+    """Median ms per call of each function, over alternating rounds of ``steps`` back-to-back calls."""
     times = collections.defaultdict(list)
     for _ in range(rounds):
         for name, fn in fns.items():
-            fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / steps)
+            times[name].append(cuda_block_ms(fn, warmup=1, steps=steps))
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -90,13 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    model, size = _model(args.model)
-    model = model.cuda().to(memory_format=torch.channels_last).train()
-    batch = (torch.randn(args.batch, 3, size, size, device="cuda").to(memory_format=torch.channels_last),
-             torch.randint(0, 1000, (args.batch,), device="cuda"))
-    loss_fn = nn.CrossEntropyLoss()
-    opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    model, batch, loss_fn, opt = setup(args.model, args.batch)
     make_peer = peers.compile_graph_step if args.compile else peers.eager_graph_step
     peer = make_peer(copy.deepcopy(model), loss_fn, opt, batch, amp_dtype=torch.bfloat16)
     steps = {}
