@@ -294,13 +294,7 @@ def test_the_error_class_is_concurs_and_a_runtime_error():
 # ---- under (emulated) CUDA graphs: a bad batch is caught before it is captured
 
 
-@pytest.fixture
-def graphs(monkeypatch):
-    from tests.test_step_habits import EmulatedGraphs
-
-    runner = EmulatedGraphs()
-    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
-    return runner
+from tests.test_step_habits import graphs  # noqa: E402,F401 (a fixture: train_step's graph path on CPU)
 
 
 def test_under_graphs_a_bad_batch_is_refused_before_capture_and_costs_no_streams(graphs, capfd):

@@ -200,7 +200,7 @@ def _decide(p: Prediction, min_speedup: float, timer: Timer | None, cache: Decis
             m = Measured(float(stored["one_stream_ms"]), float(stored["streams_ms"]), int(stored["rounds"]))
             keep = bool(stored["keep"])
         except (KeyError, TypeError, ValueError):
-            stored = None  # an entry of another format: time again
+            pass  # an entry of another format: time again
         else:
             return Decision(keep, p, m, "cache", f"{_compared(m, keep, margin)} (cached measurement); {predicted}")
     try:

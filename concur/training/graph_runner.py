@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from concur.dag.annotate import tensors_in
+
 # torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
 HIGHEST_PRIORITY = -100
 
@@ -30,7 +32,18 @@ class Captured:
     static_loss: torch.Tensor
     streams: int
     grads: dict = field(default_factory=dict)  # parameter -> the gradient tensor the graph writes
-    static_batch: list = field(default_factory=list)  # the static inputs' and targets' tensors, in order
+    # the static inputs' and targets' tensors in order, each call's batch is copied into: made once here
+    static_batch: list = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.static_batch = batch_tensors(self.static_inputs, self.static_targets)
+
+
+def batch_tensors(inputs: tuple, targets: Any) -> list[torch.Tensor]:
+    """The batch's tensors in order; a plain tuple of tensors (the usual batch) without walking a tree."""
+    if isinstance(targets, torch.Tensor) and all(isinstance(x, torch.Tensor) for x in inputs):
+        return [*inputs, targets]
+    return tensors_in((inputs, targets))
 
 
 class CudaGraphRunner:

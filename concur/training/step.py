@@ -52,7 +52,7 @@ from concur.training.auto import COMPILED_MAX_STREAMS as _COMPILED_MAX_STREAMS  
 from concur.training.auto import as_tuple as _as_tuple, auto_configuration
 from concur.training.batch_checks import BatchChecks
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
-from concur.training.graph_runner import Captured, graph_runner as _graph_runner
+from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
 from concur.training.snapshot import Snapshot
 
 BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
@@ -61,13 +61,6 @@ BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
               "warmup", "compile", "amp_dtype", "grad_scaler", "compile_options", "accumulate", "before_step",
               "stream_priority", "split_weight_grads")
-
-
-def _batch_tensors(inputs: tuple, targets: Any) -> list[torch.Tensor]:
-    """The batch's tensors in order; a plain tuple of tensors (the usual batch) without walking a tree."""
-    if isinstance(targets, torch.Tensor) and all(isinstance(x, torch.Tensor) for x in inputs):
-        return [*inputs, targets]
-    return tensors_in((inputs, targets))
 
 
 def _signature(tensors: list[torch.Tensor]) -> tuple:
@@ -192,8 +185,7 @@ class TrainStep:
         workspace per stream (32 MiB on an H100), so work on the caller's
         stream would leave a second set beside the warm-up's, held for good.
         """
-        runner = getattr(self, "_runner", None)  # None while __init__ has not made it, and without graphs
-        return runner.side_stream() if runner is not None else contextlib.nullcontext()
+        return self._runner.side_stream() if self._runner is not None else contextlib.nullcontext()
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -311,7 +303,7 @@ class TrainStep:
     def _graph_call(self, inputs: tuple, targets: Any, phase: tuple[bool, bool]) -> torch.Tensor:
         # Everything before replay() is host time the device may wait for (a loop that reads the loss
         # every step): keep it to one key and one lookup.
-        batch = _batch_tensors(inputs, targets)
+        batch = batch_tensors(inputs, targets)
         key = (_signature(batch), phase, self._state_key())
         captured = self.graphs.get(key)
         baked = self._hyperparameter_key() if self._hyper is None else None
@@ -472,8 +464,7 @@ class TrainStep:
         finally:
             snapshot.restore()
             runner.synchronize()
-        return Captured(graph, static_inputs, static_targets, loss, streams, grads,
-                        static_batch=_batch_tensors(static_inputs, static_targets))
+        return Captured(graph, static_inputs, static_targets, loss, streams, grads)
 
     def _captured_optimizer_step(self, reached: list[torch.Tensor]) -> Callable[[], Any]:
         """The update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
