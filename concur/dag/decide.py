@@ -176,7 +176,7 @@ def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDU
     (the log line says why). A measurement is stored in ``cache`` under
     ``key`` and read back instead of timing again.
     """
-    decision = _decide(prediction, min_speedup, timer, cache, key, margin)
+    decision = _decide(what, prediction, min_speedup, timer, cache, key, margin)
     if decision.keep:
         log.info("concur: %s runs on %d streams: %s", what, decision.num_streams, decision.reason)
     else:
@@ -184,7 +184,7 @@ def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDU
     return decision
 
 
-def _decide(p: Prediction, min_speedup: float, timer: Timer | None, cache: DecisionCache | None,
+def _decide(what: str, p: Prediction, min_speedup: float, timer: Timer | None, cache: DecisionCache | None,
             key: str | None, margin: float) -> Decision:
     predicted = (f"predicted {p.serial_us:,.1f} us on one stream against {p.streams_us:,.1f} us on "
                  f"{p.num_streams} ({p.speedup:.2f}x, kernels sharing the device)")
@@ -210,8 +210,11 @@ def _decide(p: Prediction, min_speedup: float, timer: Timer | None, cache: Decis
         return Decision(True, p, None, "prediction", f"{predicted}; timing failed ({type(exc).__name__}: {why})")
     keep = m.streams_ms < m.one_stream_ms * (1 - margin)
     if cache is not None and key is not None:
+        # the prediction's terms ride along: experiments/calibrate.py fits the prediction to these entries
         cache.put(key, {"keep": keep, "one_stream_ms": m.one_stream_ms, "streams_ms": m.streams_ms,
-                        "rounds": m.rounds, "predicted_speedup": p.speedup})
+                        "rounds": m.rounds, "predicted_speedup": p.speedup, "ideal_speedup": p.ideal_speedup,
+                        "serial_us": p.serial_us, "streams_us": p.streams_us, "num_streams": p.num_streams,
+                        "what": what})
     return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin)}; {predicted}")
 
 
