@@ -97,6 +97,13 @@ def main() -> None:
         print(f"  {title}:")
         for site, size_mb, n in rows[title]:
             print(f"    {size_mb:9.1f} MB {n:5d}  {site}")
+    # cuBLAS keeps one workspace per (handle, stream) for the life of the process: which streams have one
+    workspace = 4096 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG=:4096:8, an H100's default
+    rows["workspaces"] = [[f"stream {e.get('stream')}", _site(e.get("frames", []))] for e in end.values()
+                          if e["size"] == workspace]
+    print(f"  {len(rows['workspaces'])} blocks of a cuBLAS workspace's size live once set up:")
+    for stream, site in rows["workspaces"]:
+        print(f"    {stream}  {site}")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"label": label, **stats, "rows": rows}) + "\n")

@@ -107,6 +107,10 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
     device = "cuda" if cuda else "cpu"
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)  # foreach on CUDA: torch's default step
+    if cuda and kind in CONCUR_MODES:
+        # a cold decision cache per configuration, as on a user's first run: setup_s includes the measured
+        # decisions, and experiments/calibrate.py reads what was measured from <out>/decisions/
+        os.environ["CONCUR_CACHE_DIR"] = str(Path(cfg["out"]) / "decisions" / file_stem(row["key"]))
     memory = MemoryPeaks(cuda)
     memory.begin_setup()
     t0 = time.perf_counter()
@@ -185,7 +189,8 @@ def compiled_graphs(step: Any) -> list[dict]:
                  waits=g.num_waits, barriers=g.num_barriers, fallback=g.fallback_reason,
                  ideal_speedup=round(g.ideal_speedup, 4), predicted_speedup=round(g.predicted_speedup, 4),
                  one_stream=g.one_stream_reason, convolutions_split=g.convolutions_split,
-                 weight_grad_ops=g.weight_grad_ops, reuses_kept=g.reuses_kept, reuses_fresh=g.reuses_fresh)
+                 weight_grad_ops=g.weight_grad_ops, reuses_kept=g.reuses_kept, reuses_fresh=g.reuses_fresh,
+                 decided_by=g.decided_by, measured_speedup=g.measured_speedup)
             for backend in step.backends.values() for g in backend.graphs]
 
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 29's zoo on the device: concur's defaults against PyTorch's own recipes (experiments/peers.py) on
+# networks nobody tuned concur for, at batch 32, bf16 autocast + channels-last, SGD momentum. Each model is
+# one child that compiles the peer and concur's mode side by side with the other children and times the two
+# in alternating rounds under one GPU lock (as bench28.sh). Each concur mode measures its decisions with a
+# cold cache, kept in RUN_DIR/decisions/<config>/ for experiments/calibrate.py.
+#   bash experiments/bench29.sh RUN_DIR PART    (PART below; each within ~9 minutes on one H100)
+#   z1 z2 z3   fused default (train_step(compile=True), 4 streams) against peer_compile_graph, a third of the
+#              zoo each (z3 adds torchvision's GoogLeNet, Inception-v3 and ResNet-50)
+#   u1 u2      unfused default (train_step, 4 streams) against peer_eager_graph, half of the zoo each
+# Packs RUN_DIR to $OUT/bench.tgz.
+set -uo pipefail
+dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 TORCHINDUCTOR_COMPILE_THREADS=2
+left=$(( ${DEADLINE:-570} - SECONDS - 30 ))
+# multi-branch CNNs, plain CNNs, mobile nets and transformers: 22 timm networks
+zoo1="timm:skresnet18 timm:dpn68 timm:dla34 timm:hrnet_w18_small timm:res2net50_26w_4s timm:resnest14d timm:mixnet_s"
+zoo2="timm:selecsls42b timm:densenet121 timm:resnet18 timm:repvgg_a2 timm:cspresnet50 timm:gernet_s timm:regnety_016 timm:vit_small_patch16_224"
+zoo3="timm:skresnet34 timm:mobilenetv3_large_100 timm:efficientnet_b0 timm:ghostnet_100 timm:deit_tiny_patch16_224 timm:convnext_atto timm:inception_v4"
+torchvision="googlenet inception_v3 resnet50"
+groups=()
+sweep() { timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume --precisions bf16 --batches 32 \
+            --repeats 40 --rounds 6 "$@" >> "$OUT/bench_$part.log" 2>&1 &
+          groups+=($!); }
+fused() { sweep --models "$@" --modes peer_compile_graph fused:4 --together peer_compile_graph+fused:4 \
+            --compile-jobs 8; }
+unfused() { sweep --models "$@" --modes peer_eager_graph concur_graph:4 --together peer_eager_graph+concur_graph:4 \
+              --compile-jobs 8; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+case $part in
+  z1) fused $zoo1 ;;
+  z2) fused $zoo2 ;;
+  z3) fused $zoo3 $torchvision ;;
+  u1) unfused $zoo1 $zoo2 ;;
+  u2) unfused $zoo3 $torchvision ;;
+  *) echo "unknown part '$part': z1 z2 z3 u1 u2" >&2; exit 2 ;;
+esac
+wait
+for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
+python3 -m experiments.sweep --out "$dir" --report-only >> "$OUT/bench_$part.log" 2>&1
+grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40
+tar czf "$OUT/bench.tgz" --exclude=traces --exclude=util "$dir"
