@@ -730,3 +730,25 @@ def foreach_axpy_(xs: list[torch.Tensor], ys: list[torch.Tensor], scale: torch.T
         return
     fused(xs, ys, [], weight_decay=0.0, momentum=0.0, lr=scale, dampening=0.0, nesterov=False, maximize=add,
           is_first_step=False)
+
+
+def foreach_lerp_(xs: list[torch.Tensor], ys: list[torch.Tensor], weight: torch.Tensor, negate: bool) -> None:
+    """``x += weight * (y - x)`` for each pair (``-y`` for ``y`` with ``negate``), ``weight`` a 0-dim device tensor.
+
+    torch's ``_foreach_lerp_`` reads its weight as a host number (a tensor
+    weight is read with ``.item()``, which a CUDA graph cannot capture). aten's
+    fused SGD with momentum 0, weight decay 1 and a tensor ``lr`` computes
+    ``x - lr*(x - y)`` (``x - lr*(x + y)`` without ``maximize``) in one
+    multi-tensor kernel, which is lerp's ``x + w*(y - x)`` to the bit on the
+    CPU (a negation and an exact multiply by 1 apart). Where
+    :func:`foreach_axpy_` falls back, so does this, to three ops on a
+    temporary ``y - x``.
+    """
+    fused = _fused_sgd_tensor_lr()
+    if fused is None or (xs[0].is_cuda and (weight.dtype != torch.float32 or xs[0].dtype == torch.float64)):
+        diff = torch._foreach_add(ys, xs) if negate else torch._foreach_sub(ys, xs)
+        torch._foreach_mul_(diff, weight.to(xs[0].dtype))
+        (torch._foreach_sub_ if negate else torch._foreach_add_)(xs, diff)
+        return
+    fused(xs, ys, [], weight_decay=1.0, momentum=0.0, lr=weight, dampening=0.0, nesterov=False, maximize=not negate,
+          is_first_step=False)

@@ -22,6 +22,18 @@ Only the exact classes ``torch.optim.SGD``, ``Adam`` and ``AdamW`` are
 handled (a subclass may change ``step``); :func:`unsupported_reason` says
 why another optimizer is not, and the caller then keys its graphs on the
 hyperparameter values instead (a new value is a new capture).
+
+Why not torch's own step with tensor hyperparameters: on torch 2.13, 2.14
+and 2.15 (read in their ``torch/optim/adam.py``; the code came with torch
+2.6, so 2.11 has it too) ``_multi_tensor_adam`` takes ``lr``, ``beta1`` and
+``beta2`` as tensors, but only with ``capturable=True``, which refuses CPU
+parameters; ``weight_decay`` and ``eps`` stay floats; and the tensor
+``beta1`` reaches ``_foreach_lerp_`` as a number, read with ``.item()``,
+which a CUDA graph cannot capture. ``_fused_adam_`` and ``_fused_sgd_`` take
+a tensor ``lr`` only, with float betas and momentum. So the updates are
+written here, each in no more multi-tensor ops and temporaries than torch's
+foreach ``step()`` (see ``tests/test_captured_optim_ops.py``), except Adam's
+L2 weight decay, one op more (below).
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ import torch
 from concur import _torch_compat as compat
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-# eps stays a float in the captured code (no scheduler moves it; a new value is a new capture): adding a
-# device scalar to a list of tensors would need torch's _foreach_add Tensor overload, newer than the others used.
+# eps and a float beta2 stay floats in the captured code (no torch scheduler moves them; a new value is a new
+# capture): torch's _foreach_addcmul_ takes its factor as a host number only, so a device beta2 would cost the
+# second moment a third op (see _adam_bucket), and a device eps gains nothing.
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -66,8 +79,10 @@ def structure(optimizer: torch.optim.Optimizer) -> tuple:
             out.append((bool(g["nesterov"]), bool(g.get("maximize", False)), _nonzero(g["momentum"]),
                         _nonzero(g["weight_decay"]), float(g.get("dampening", 0))))
         else:
+            beta2 = g["betas"][1]  # a tensor is read where it lives; its value may change
             out.append((bool(g["amsgrad"]), bool(g.get("maximize", False)), _nonzero(g["weight_decay"]),
-                        decoupled or bool(g.get("decoupled_weight_decay", False)), float(g["eps"])))
+                        decoupled or bool(g.get("decoupled_weight_decay", False)), float(g["eps"]),
+                        "tensor" if isinstance(beta2, torch.Tensor) else float(beta2)))
     return tuple(out)
 
 
@@ -76,17 +91,19 @@ def _nonzero(x: float | torch.Tensor) -> bool:
 
 
 # Scalars the captured updates read, each a function of a param group's values. They are worked out on the host
-# at refresh (one fill kernel per changed value, outside the graph), so the graph computes no scalar itself.
-_DERIVED: dict[str, Callable[[dict], float | torch.Tensor]] = {
+# at refresh (one fill kernel per changed value, outside the graph), so the graph computes no scalar itself but
+# Adam's bias corrections, which need the step counts on the device. A tuple is held as a column, one row a value.
+_DERIVED: dict[str, Callable[[dict], float | torch.Tensor | tuple]] = {
     "lr": lambda g: g["lr"],
     "momentum": lambda g: g["momentum"],
     "weight_decay": lambda g: g["weight_decay"],
     "lr_momentum": lambda g: g["lr"] * g["momentum"],
     "one_minus_lr_wd": lambda g: 1 - g["lr"] * g["weight_decay"],
-    "beta1": lambda g: g["betas"][0],
-    "beta2": lambda g: g["betas"][1],
     "one_minus_beta1": lambda g: 1 - g["betas"][0],
     "one_minus_beta2": lambda g: 1 - g["betas"][1],
+    "beta2_over_one_minus_beta2": lambda g: g["betas"][1] / (1 - g["betas"][1]),
+    "betas": lambda g: (g["betas"][0], g["betas"][1]),
+    "eps_neg_lr": lambda g: (g["eps"], -g["lr"]),
 }
 
 
@@ -109,10 +126,15 @@ class DeviceHyperparameters:
         self.seen: dict[tuple, object] = {}
 
     def scalar(self, group: int, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Return the tensor holding ``name`` (a key of ``_DERIVED``) of param group ``group``, filled now."""
+        """Return the tensor holding ``name`` (a key of ``_DERIVED``) of param group ``group``, filled now.
+
+        0-dim, or of shape ``(k, 1)`` where ``name`` gives a tuple of ``k`` values.
+        """
         key = (group, name, dtype, torch.device(device))
         if key not in self.tensors:
-            self.tensors[key] = torch.zeros((), dtype=dtype, device=device)
+            value = _DERIVED[name](self.optimizer.param_groups[group])
+            shape = (len(value), 1) if isinstance(value, tuple) else ()
+            self.tensors[key] = torch.zeros(shape, dtype=dtype, device=device)
             self._write(key)
         return self.tensors[key]
 
@@ -124,11 +146,18 @@ class DeviceHyperparameters:
     def _write(self, key: tuple) -> None:
         group, name = key[0], key[1]
         value = _DERIVED[name](self.optimizer.param_groups[group])
+        if not isinstance(value, tuple):
+            self._fill(key, lambda: self.tensors[key], value)
+            return
+        for row, v in enumerate(value):
+            self._fill(key + (row,), lambda: self.tensors[key][row, 0], v)
+
+    def _fill(self, seen_key: tuple, target: Callable[[], torch.Tensor], value: float | torch.Tensor) -> None:
         if isinstance(value, torch.Tensor):
-            self.tensors[key].copy_(value.detach().reshape(()), non_blocking=True)
-        elif self.seen.get(key) != value:
-            self.tensors[key].fill_(value)
-            self.seen[key] = value
+            target().copy_(value.detach().reshape(()), non_blocking=True)
+        elif self.seen.get(seen_key) != value:
+            target().fill_(value)
+            self.seen[seen_key] = value
 
 
 @dataclass
@@ -177,7 +206,7 @@ def build_update(optimizer: torch.optim.Optimizer, hyper: DeviceHyperparameters,
     buckets = _buckets(optimizer, set(params), is_sgd)
     flags = structure(optimizer)
     make = (lambda b: _sgd_bucket(b, hyper, *flags[b.group][:4])) if is_sgd else \
-        (lambda b: _adam_bucket(b, hyper, *flags[b.group]))
+        (lambda b: _adam_bucket(b, hyper, *flags[b.group][:4], beta2=flags[b.group][5]))  # eps: on the device
     steps = [(make(b), b) for b in buckets]
 
     @torch.no_grad()
@@ -271,46 +300,92 @@ def _sgd_bucket(b: _Bucket, hyper: DeviceHyperparameters, nesterov: bool, maximi
 
 
 def _adam_bucket(b: _Bucket, hyper: DeviceHyperparameters, amsgrad: bool, maximize: bool, decay_on: bool,
-                 decoupled: bool, eps: float) -> Callable[[_Bucket, list[torch.Tensor]], None]:
-    """torch.optim.Adam's update (AdamW's with ``decoupled``), bias corrections in float64 on the device.
+                 decoupled: bool, beta2: float | str) -> Callable[[_Bucket, list[torch.Tensor]], None]:
+    """torch.optim.Adam's update (AdamW's with ``decoupled``) in the multi-tensor ops of torch's foreach step.
 
-    The per-parameter scalars (bias corrections of each step count) are
-    lists of 0-dim tensors, as in torch's own capturable Adam.
+    torch's foreach ``step()``, op for op, against this one (``g`` the gradient):
+
+    ==================  =====================================  ======================================
+    moment / term       torch (host numbers)                   here (device tensors)
+    ==================  =====================================  ======================================
+    first moment ``m``  ``lerp_(m, g, 1-beta1)``                the same lerp, as one fused op
+                                                               (:func:`compat.foreach_lerp_`; three
+                                                               and a temporary for CUDA float64)
+    second ``v``        ``v *= beta2``; ``v += (1-beta2) g g``  the same (beta2 is a float: structure)
+    denominator         ``d = sqrt(v)`` (a temporary);          ``d = sqrt(v)``; ``d += eps*c2``;
+                        ``d /= c2``; ``d += eps``               ``d *= c1 / (-lr*c2)``
+    update              ``p += (-lr/c1) * m / d``               ``p += m / d``
+    ==================  =====================================  ======================================
+
+    with ``c1 = 1 - beta1**t`` and ``c2 = sqrt(1 - beta2**t)`` for each
+    parameter's own step count ``t`` (a parameter frozen for a while has
+    taken fewer steps). torch reads ``t`` on the host; here they are stacked
+    into one vector on the device and both per-parameter scalars come out of
+    a few kernels over it, in float64 as torch's host arithmetic is. The
+    rearranged denominator is the same number up to rounding (and, like
+    torch's, a zero ``lr`` leaves the parameters as they are). On CUDA an op
+    of a list of parameters with a list of 0-dim tensors runs one kernel per
+    parameter, as torch's own capturable Adam does for its two such ops.
+
+    ``maximize`` needs no negated copy of the gradient: ``g*g`` does not
+    see its sign and the lerp takes ``-g``. Adam's L2 decay makes
+    ``g + wd*p`` as torch does (its one other temporary), but in two ops
+    where torch takes one: torch adds ``wd*p`` with ``wd`` as a host number.
+    A tensor ``beta2`` is read on the device at the cost of a third op on
+    ``v``: ``v *= beta2/(1-beta2)``; ``v += g*g``; ``v *= 1-beta2``.
     """
     scalar = lambda name, dtype: hyper.scalar(b.group, name, dtype, b.device)  # noqa: E731
     f64, dt = torch.float64, b.dtype
-    lr, beta1, beta2 = scalar("lr", f64), scalar("beta1", f64), scalar("beta2", f64)
-    b1, b2, one_minus_b1 = scalar("beta1", dt), scalar("beta2", dt), scalar("one_minus_beta1", scale_dtype(b.device, dt))
-    one_minus_b2, wd, shrink = scalar("one_minus_beta2", dt), scalar("weight_decay", dt), scalar("one_minus_lr_wd", dt)
-    cast = lambda t: t.to(dt)  # noqa: E731
+    weight1 = scalar("one_minus_beta1", scale_dtype(b.device, dt))
+    wd, shrink = scalar("weight_decay", dt), scalar("one_minus_lr_wd", dt)
+    betas, eps_neg_lr = scalar("betas", f64), scalar("eps_neg_lr", f64)  # columns (beta1, beta2), (eps, -lr)
+    if beta2 == "tensor":
+        ratio2, weight2 = scalar("beta2_over_one_minus_beta2", dt), scalar("one_minus_beta2", dt)
 
     def step(bucket: _Bucket, grads: list[torch.Tensor]) -> None:
         params, steps = bucket.params, bucket.state["step"]
         avgs, sqs = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
         torch._foreach_add_(steps, 1)
-        g = torch._foreach_neg(grads) if maximize else grads
-        if decay_on:
-            if decoupled:
-                torch._foreach_mul_(params, shrink)
-            else:
-                decayed = torch._foreach_mul(params, wd)  # torch's step makes this temporary too
-                torch._foreach_add_(decayed, g)
-                g = decayed
-        torch._foreach_mul_(avgs, b1)
-        compat.foreach_axpy_(avgs, g, one_minus_b1, add=True)
-        torch._foreach_mul_(sqs, b2)
-        torch._foreach_addcmul_(sqs, torch._foreach_mul(g, one_minus_b2), g)
-        # Each parameter's own step count: a parameter frozen for a while has taken fewer steps.
-        t = torch.stack(steps).to(torch.float64)
-        bias1, bias2 = 1 - beta1.pow(t), 1 - beta2.pow(t)
+        g, negate = grads, maximize
+        if decay_on and decoupled:
+            torch._foreach_mul_(params, shrink)
+        elif decay_on:  # g = wd*p ± grad, a temporary as in torch's step
+            g = torch._foreach_mul(params, wd)
+            (torch._foreach_sub_ if maximize else torch._foreach_add_)(g, grads)
+            negate = False
+        compat.foreach_lerp_(avgs, g, weight1, negate=negate)
+        if beta2 == "tensor":
+            torch._foreach_mul_(sqs, ratio2)
+            torch._foreach_addcmul_(sqs, g, g)
+            torch._foreach_mul_(sqs, weight2)
+        else:
+            torch._foreach_mul_(sqs, beta2)
+            torch._foreach_addcmul_(sqs, g, g, 1 - beta2)
+        del g  # free the decayed gradient before the denominator's temporary, as torch does
+        eps_hat, scale = _bias_corrections(steps, betas, eps_neg_lr, dt)
         if amsgrad:
             torch._foreach_maximum_(bucket.state["max_exp_avg_sq"], sqs)
-            denom = torch._foreach_sqrt(bucket.state["max_exp_avg_sq"])
-        else:
-            denom = torch._foreach_sqrt(sqs)
-        torch._foreach_div_(denom, list(cast(bias2.sqrt()).unbind()))
-        torch._foreach_add_(denom, eps)
-        torch._foreach_div_(denom, list(cast(-lr / bias1).unbind()))
+            sqs = bucket.state["max_exp_avg_sq"]
+        denom = torch._foreach_sqrt(sqs)
+        torch._foreach_add_(denom, eps_hat)
+        torch._foreach_mul_(denom, scale)
         torch._foreach_addcdiv_(params, avgs, denom)
 
     return step
+
+
+def _bias_corrections(steps: list[torch.Tensor], betas: torch.Tensor, eps_neg_lr: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Return ``eps*c2`` and ``c1/(-lr*c2)`` of each step count, as lists of 0-dim tensors of ``dtype``.
+
+    Eight small kernels whatever the number of parameters (a cast fewer
+    where the step counts, or the parameters, are float64): stack, cast,
+    ``betas**t``, ``1 - .``, ``sqrt``, one product for both rows, one
+    quotient, cast.
+    """
+    t = torch.stack(steps).to(torch.float64)
+    c = 1 - betas.pow(t)  # rows: 1 - beta1**t, 1 - beta2**t
+    terms = eps_neg_lr * c[1].sqrt()  # rows: eps*c2, -lr*c2
+    torch.div(c[0], terms[1], out=terms[1])
+    eps_hat, scale = terms.to(dtype).unbind()
+    return list(eps_hat.unbind()), list(scale.unbind())
