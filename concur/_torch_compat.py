@@ -212,6 +212,45 @@ def inductor_wrapper(compiled: object) -> tuple[str, dict, object | None, Callab
     return source, namespace, getattr(fn, "__self__", None), replace
 
 
+def inductor_generated_call(compiled: object) -> Callable[[list], object]:
+    """Return the generated ``call`` a compiled graph runs now (boxed), inside any wrapper of inductor's.
+
+    Calling it directly skips those wrappers (``align_inputs_from_check_idxs``
+    copying misaligned inputs): right for a call installed in its place with
+    :func:`inductor_wrapper`'s ``replace``, which gets the inputs the wrappers
+    pass on.
+
+    Raises:
+        ValueError: no generated call was found (see :func:`inductor_wrapper`).
+    """
+    return _generated_call_slot(compiled)[0]
+
+
+def inductor_mutated_inputs(compiled: object) -> frozenset[int] | None:
+    """Return the positions of the inputs a compiled graph's call writes in place, or None where torch does not say.
+
+    ``CompiledFxGraph.mutated_input_idxs`` (an ``OrderedSet`` of ints on
+    torch 2.11 to 2.15): the graph inputs inductor's scheduler saw mutated,
+    the ones its CUDA graph trees copy back. A backward's donated buffers,
+    which inductor may overwrite too, are not among them. Outside
+    :data:`TESTED_TORCH`, or where the attribute is missing or holds
+    anything but non-negative ints, this reads as None, and the caller
+    leaves the inputs alone.
+    """
+    if untested_torch() is not None:
+        return None
+    idxs = getattr(compiled, "mutated_input_idxs", None)
+    if idxs is None or isinstance(idxs, (str, bytes, dict)):
+        return None
+    try:
+        found = frozenset(idxs)
+    except TypeError:
+        return None
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found):
+        return None
+    return found
+
+
 def compile_phase_seconds() -> dict[str, float]:
     """Seconds this process spent in each phase torch.compile times (dynamo, AOTAutograd, inductor, waits).
 

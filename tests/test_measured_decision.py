@@ -140,7 +140,7 @@ NO_MERGE = Roofline("slow-no-overhead", flops_per_us=1e3, bytes_per_us=1e2, kern
 
 
 def wrapper_timing(monkeypatch, rounds) -> FakeReplays:
-    """The backend times on CPU: the real boxed timer (real inputs made from inductor's fake ones), fake replays."""
+    """The backend times on CPU: at each graph's first call, on that call's inputs (first_call), with fake replays."""
     import concur.dag.measure as measure
     import concur.inductor.backend as backend
 

@@ -9,15 +9,19 @@ both alike. Each round gives one time per program (ms per replay); the
 decision takes the medians.
 
 What runs here must not change what the user sees: the programs run on
-inputs made for the purpose (:func:`real_inputs`), or the caller restores
-its state around them (the fx path), and nothing runs while a CUDA graph is
-being captured (:func:`can_time`).
+inputs made for the purpose (:func:`real_inputs`, :func:`boxed_timer`), or
+on the caller's own inputs with the ones they write put back
+(:func:`boxed_rounds`), or the caller restores its state around them (the
+fx path); the random number generators are put back as they were
+(:func:`rng_kept`), and nothing runs while a CUDA graph is being captured
+(:func:`can_time`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -124,6 +128,24 @@ def real_inputs(example_inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
+@contextlib.contextmanager
+def rng_kept(device: torch.device) -> Iterator[None]:
+    """Put the CPU's random number generator, and ``device``'s if it is a GPU, back as they were after the block.
+
+    Timing runs a program a dozen times or more, and a program with dropout
+    draws each time: without this the user's next random numbers would
+    depend on whether a decision was measured.
+    """
+    cpu = torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
+
+
 def boxed_timer(one_stream: Callable[[list], Any], streams: Callable[[list], Any],
                 example_inputs: Sequence[Any], device: torch.device) -> Timer:
     """Return a :data:`~concur.dag.decide.Timer` of two compiled graphs' boxed calls (one list argument each).
@@ -132,8 +154,32 @@ def boxed_timer(one_stream: Callable[[list], Any], streams: Callable[[list], Any
     gets its own list, which inductor's ``call`` empties.
     """
     def timer() -> list[tuple[float, float]]:
-        with compat.outside_fake_mode():
+        with compat.outside_fake_mode(), rng_kept(device):
             args = real_inputs(example_inputs)
             return alternating_replays(lambda: one_stream(list(args)), lambda: streams(list(args)), device)
 
     return timer
+
+
+def boxed_rounds(one_stream: Callable[[list], Any], streams: Callable[[list], Any], args: Sequence[Any],
+                 device: torch.device, restore: frozenset[int] = frozenset()) -> list[tuple[float, float]]:
+    """Return :func:`alternating_replays`' rounds of two boxed calls on the caller's own ``args``.
+
+    Each call gets its own ``list(args)`` (inductor's ``call`` empties the
+    list it is given; ``args`` keeps the tensors alive). The tensors at the
+    positions in ``restore``, which the programs write in place (a training
+    forward's BatchNorm statistics), are copied before and copied back
+    after, and the random number generators are put back (:func:`rng_kept`),
+    so a later call sees them as if nothing had been timed. Any other
+    tensor the programs write keeps what they left in it: the caller passes
+    only tensors whose values nobody reads afterwards.
+    """
+    saved = [(args[i], args[i].clone()) for i in sorted(restore)
+             if i < len(args) and isinstance(args[i], torch.Tensor)]
+    try:
+        with rng_kept(device):
+            return alternating_replays(lambda: one_stream(list(args)), lambda: streams(list(args)), device)
+    finally:
+        with torch.no_grad():
+            for live, copy in saved:
+                live.copy_(copy)

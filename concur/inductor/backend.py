@@ -37,6 +37,7 @@ from concur.dag.cost import Roofline, roofline_for
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import boxed_timer, can_time, environment
 from concur.inductor.aten_dag import build_aten_dag
+from concur.inductor.first_call import FirstCallTiming
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
 from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
 from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
@@ -106,7 +107,8 @@ class CompiledGraphInfo:
     # made fresh allocations because the streams do not order the two buffers (buffer_reuse="ordered")
     reuses_kept: int = 0
     reuses_fresh: int = 0
-    # what the keep-or-drop decision rested on: "prediction", "measurement" or "cache" ("" if none was made)
+    # what the keep-or-drop decision rested on: "prediction", "measurement" or "cache" ("" if none was made;
+    # "pending" until the graph's first call, which times both programs on its inputs)
     decided_by: str = ""
     measured_speedup: float | None = None  # one stream's measured time over the plan's, where it was timed
 
@@ -215,10 +217,16 @@ class ConcurBackend:
         ordered = o.buffer_reuse == BUFFER_REUSE_ORDERED
         with _inductor_reuse(o.buffer_reuse, ordered_reuses=True):
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
+        record = len(self.graphs)  # this graph's record; a decision made at its first call replaces it
+
+        def on_decided(placed: PlacedKernels) -> None:
+            self.graphs[record] = dataclasses.replace(self.graphs[record], **_decided(placed))
+
         try:
             placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
                                    split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
-                                   f"graph of {num_ops} ops", **self._measuring(example_inputs, is_backward))
+                                   f"graph of {num_ops} ops", on_decided=on_decided,
+                                   **self._measuring(example_inputs, is_backward))
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
             self._fall_back(is_backward, num_ops, _describe(exc))
             return compiled
@@ -230,21 +238,21 @@ class ConcurBackend:
                             f"that would use several streams on one", placed)
             return compiled
         self.graphs.append(CompiledGraphInfo(
-            is_backward, num_ops, placed.num_launches, plan.num_streams if placed.installed else 1,
-            plan.num_waits if placed.installed else 0, None, plan.ideal_speedup if plan else 1.0,
-            plan.predicted_speedup if plan else 1.0, plan.num_barriers if plan else 0, placed.one_stream,
-            reuses_kept=placed.reuses_kept, reuses_fresh=placed.reuses_fresh,
-            decided_by=placed.decision.source if placed.decision else "",
-            measured_speedup=placed.decision.measured.speedup if placed.decision and placed.decision.measured
-            else None))
+            is_backward, num_ops, placed.num_launches, ideal_speedup=plan.ideal_speedup if plan else 1.0,
+            predicted_speedup=plan.predicted_speedup if plan else 1.0, num_barriers=plan.num_barriers if plan else 0,
+            fallback_reason=None, **_decided(placed)))
         return compiled
 
     def _measuring(self, example_inputs: Sequence[Any], is_backward: bool) -> dict[str, Any]:
         """Return how :func:`place_kernels` times and caches its decision here: nothing without a GPU.
 
+        A plan is timed on the inputs of the graph's first call
+        (``first_call``); ``measure``, on inputs made from the fake ones,
+        only where inductor does not say which inputs the graph mutates.
         The cache key holds every input's shape, stride and dtype besides the
         wrapper's source (which place_kernels adds), the device and torch, so
-        a new batch size, dtype or model is timed afresh.
+        a new batch size, dtype or model is timed afresh; it says nothing of
+        when the plan was timed.
         """
         device = _device_of(example_inputs)
         if not self.options.measure or not can_time(device):
@@ -255,7 +263,7 @@ class ConcurBackend:
         def timer(one: Callable[[list], Any], streams: Callable[[list], Any]) -> decide.Timer:
             return boxed_timer(one, streams, example_inputs, device)
 
-        return {"measure": timer, "cache": JsonCache(),
+        return {"measure": timer, "cache": JsonCache(), "first_call": FirstCallTiming(device, lambda: can_time(device)),
                 "key_parts": (is_backward, inputs, environment(device), decide.MARGIN)}
 
     def _compile_stamped(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool, num_ops: int,
@@ -278,6 +286,17 @@ class ConcurBackend:
             r.ideal_speedup if r else 1.0, r.predicted_speedup if r else 1.0, 0,
             (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)")))
         return done.compiled
+
+
+def _decided(placed: PlacedKernels) -> dict[str, Any]:
+    """Return the fields of a graph's :class:`CompiledGraphInfo` that its keep-or-drop decision sets."""
+    plan, decision = placed.plan, placed.decision
+    return {"num_streams": plan.num_streams if placed.installed else 1,
+            "num_waits": plan.num_waits if placed.installed else 0,
+            "one_stream_reason": placed.one_stream, "reuses_kept": placed.reuses_kept,
+            "reuses_fresh": placed.reuses_fresh,
+            "decided_by": "pending" if placed.pending else decision.source if decision else "",
+            "measured_speedup": decision.measured.speedup if decision and decision.measured else None}
 
 
 def _inductor_reuse(buffer_reuse: bool | str, ordered_reuses: bool) -> contextlib.AbstractContextManager:

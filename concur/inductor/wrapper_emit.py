@@ -53,7 +53,9 @@ from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.cost import Roofline
 from concur.dag.hazards import hazard_edges
+from concur.inductor.first_call import Deferred, FirstCall, FirstCallTiming, defer
 from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement, parse_wrapper
+from concur.inductor.wrapper_program import _ALIGNING_COPIES
 from concur.streams import StreamRuntime
 
 
@@ -127,6 +129,26 @@ def kept_reuses(program: KernelProgram, schedule: schedulers.Schedule) -> frozen
     unordered = set(schedulers.replay(dag, steps).unsatisfied)
     return frozenset(r.statement for r in program.reuses
                      if edges[r.statement] and not unordered.intersection(edges[r.statement]))
+
+
+def written_inputs(program: KernelProgram) -> frozenset[int]:
+    """Return the positions (in ``args``) of the inputs whose memory inductor's own call may write.
+
+    A launch's writes are followed back through inductor's reuse lines, split
+    or not, to the storage they live in: ``buf23 = relu_5; del relu_5  #
+    reuse`` puts ``buf23`` in the memory of the input ``relu_5`` (a
+    backward's donated buffer). A barrier writes whatever it names. An
+    aligning copy (``x = copy_if_misaligned(x)``) is read as writing its
+    argument only to order it; its own write is not counted.
+    """
+    storage = _storages(program, frozenset(r.statement for r in program.reuses))
+    written = {storage.get(g, g) for s in program.launches if not _aligning_copy(s) for g in s.writes}
+    return frozenset(i for i, name in enumerate(program.inputs) if name in written)
+
+
+def _aligning_copy(s: Statement) -> bool:
+    call = s.node.value if isinstance(s.node, ast.Assign) else None
+    return isinstance(call, ast.Call) and ast.unparse(call.func).split(".")[-1] in _ALIGNING_COPIES
 
 
 def _reuse_edges(program: KernelProgram, reuses: Iterable[Reuse]) -> dict[int, list[tuple[int, int]]]:
@@ -491,7 +513,9 @@ class PlacedKernels:
     # inductor's reuse lines in what runs: kept as written, or (installed plans only) made fresh allocations
     reuses_kept: int = 0
     reuses_fresh: int = 0
-    decision: decide.Decision | None = None  # None where there was nothing to decide
+    decision: decide.Decision | None = None  # None where there was nothing to decide, or not yet
+    # the decision waits for the graph's first call, which times both programs on its inputs (first_call)
+    pending: bool = False
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
@@ -512,7 +536,8 @@ Measure = Callable[[Callable[[list], Any], Callable[[list], Any]], decide.Timer]
 def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int,
                   scheduler: str, min_predicted_speedup: float = decide.MIN_SPEEDUP, split_reuses: bool = False, *,
                   label: str = "a graph", measure: Measure | None = None, cache: decide.DecisionCache | None = None,
-                  key_parts: tuple = ()) -> PlacedKernels:
+                  key_parts: tuple = (), first_call: FirstCallTiming | None = None,
+                  on_decided: Callable[[PlacedKernels], None] | None = None) -> PlacedKernels:
     """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
 
     The graph keeps running inductor's own call when it has fewer than two
@@ -525,6 +550,14 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     (``serialized_by``). A measurement is cached under a key of the
     wrapper's source, the plan and ``key_parts`` (the inputs' shapes and
     dtypes, the device, torch).
+
+    With ``first_call`` as well, a plan to be timed (no cached decision) is
+    timed on the inputs of the graph's first call instead of inputs made
+    for it (:mod:`concur.inductor.first_call`): the graph runs a
+    :class:`~concur.inductor.first_call.FirstCall` until then, the result is
+    ``pending``, and ``on_decided`` gets what was decided. Where inductor
+    does not say which inputs the graph mutates
+    (:func:`compat.inductor_mutated_inputs`), ``measure`` times it now.
 
     With ``split_reuses``, the launches are scheduled as if each renameable
     reuse line were a fresh allocation, and the plan keeps the reuses its
@@ -553,18 +586,46 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                              serializing_barrier(program, dag, streams, scheduler, min_cost), as_written)
     built: list = []
 
-    def timer() -> Any:  # the rewritten call is built only where something is timed
-        built.append(build_call(program, plan, namespace, bound_to)[0])
-        return measure(compiled, built[0])()
+    def rewritten() -> Callable:  # built only where something is timed or installed
+        if not built:
+            built.append(build_call(program, plan, namespace, bound_to)[0])
+        return built[0]
+
+    def placed(decision: decide.Decision) -> PlacedKernels:
+        if not decision.keep:
+            return PlacedKernels(plan, False, launches, decision.reason, reuses_kept=as_written, decision=decision)
+        return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
+                             decision=decision)
 
     key = decide.decision_key("wrapper", source, schedule.order, sorted(schedule.stream.items(), key=repr),
                               *key_parts) if measure is not None else None
-    decision = decide.decide(f"{label} ({launches} launches)", decide.predict(dag, schedule),
-                             min_speedup=min_predicted_speedup, timer=timer if measure is not None else None,
-                             cache=cache, key=key)
-    if not decision.keep:
-        return PlacedKernels(plan, False, launches, decision.reason, reuses_kept=as_written, decision=decision)
-    call = built[0] if built else build_call(program, plan, namespace, bound_to)[0]
-    replace(call)
-    return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
-                         decision=decision)
+    prediction = decide.predict(dag, schedule)
+
+    def decided(timer: decide.Timer | None) -> decide.Decision:
+        return decide.decide(f"{label} ({launches} launches)", prediction, min_speedup=min_predicted_speedup,
+                             timer=timer, cache=cache, key=key)
+
+    mutated = compat.inductor_mutated_inputs(compiled) if measure is not None and first_call is not None else None
+    if mutated is None:
+        decision = decided((lambda: measure(compiled, rewritten())()) if measure is not None else None)
+    else:
+        try:
+            decision = decided(defer)  # a cached decision, or none worth timing, is made now
+        except Deferred:
+            own, chosen = compat.inductor_generated_call(compiled), rewritten()
+
+            def settle(timer: decide.Timer) -> Callable[[list], Any]:
+                decision = decided(timer)
+                call = chosen if decision.keep else own
+                replace(call)
+                if on_decided is not None:
+                    on_decided(placed(decision))
+                return call
+
+            replace(FirstCall(own, chosen, settle, first_call, mutated, written_inputs(program),
+                              len(program.inputs)))
+            return PlacedKernels(plan, False, launches, "not decided yet: the graph's first call times both "
+                                 "programs on its inputs", reuses_kept=as_written, pending=True)
+    if decision.keep:
+        replace(rewritten())
+    return placed(decision)
