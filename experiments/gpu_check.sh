@@ -161,8 +161,12 @@ for step in "$@"; do
              for who in recipe concur; do
                t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/final_memory.jsonl
              done
-             t mem_googlenet_compiled_concur4 python3 experiments/memory_diff.py --model googlenet --compile \
-               --who concur --streams 4 --json $OUT/final_memory.jsonl
+             for who in recipe concur; do  # compiled, 4 streams, decisions measured on the first call's inputs
+               for m in googlenet resnet50; do
+                 t "mem_${m}_compiled_$who" python3 experiments/memory_diff.py --model $m --compile \
+                   --who $who --streams 4 --json $OUT/final_memory.jsonl
+               done
+             done
              end_parallel final28 " passed\| failed\|Error\|sanitized run finished\|deviation\|kernels per\|memory, concur\|_mb" 5 900
              timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 experiments/decision_check.py \
                --models torchvision:googlenet torchvision:resnet50 timm:skresnet18 --batch 32 2>&1 \

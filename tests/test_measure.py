@@ -122,3 +122,20 @@ def test_optimize_times_its_plan_once_and_leaves_the_model_as_it_was(cache_dir, 
     for k, p in model.named_parameters():
         assert torch.equal(p.grad, grads[k]), k
     torch.testing.assert_close(first(x), model(x))
+
+
+def test_timing_takes_its_turn_under_the_lock_the_environment_names(tmp_path, monkeypatch):
+    import fcntl
+
+    from concur.dag.measure import ENVIRONMENT_LOCK, gpu_turn
+
+    lock = tmp_path / "gpu.lock.measure"
+    monkeypatch.setenv(ENVIRONMENT_LOCK, str(lock))
+    with open(lock, "a") as other:  # another process's turn, as flock sees it: another open file
+        with gpu_turn():
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the turn
+    monkeypatch.delenv(ENVIRONMENT_LOCK)
+    with gpu_turn():  # no lock named: nothing to take
+        pass

@@ -33,6 +33,26 @@ REPLAYS = 5    # replays of each program per round, timed as one interval
 WARMUP = 3     # calls of each program before capture (allocator, autotuning, lazy init)
 # CONCUR_MEASURE=0 leaves every decision to the prediction, as on a machine without a GPU.
 ENVIRONMENT_SWITCH = "CONCUR_MEASURE"
+# CONCUR_MEASURE_LOCK=PATH: processes sharing a GPU take turns to time (an exclusive lock on PATH), so that
+# one's replays are not timed beside another's kernels, which would skew the ratio, not only the times.
+ENVIRONMENT_LOCK = "CONCUR_MEASURE_LOCK"
+
+
+@contextlib.contextmanager
+def gpu_turn() -> Iterator[None]:
+    """Hold the exclusive file lock ``$CONCUR_MEASURE_LOCK`` names while timing (nothing where it is unset)."""
+    path = os.environ.get(ENVIRONMENT_LOCK)
+    if not path:
+        yield
+        return
+    import fcntl  # POSIX only, as CUDA graphs of several streams in practice
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def can_time(device: torch.device | None) -> bool:
@@ -63,7 +83,7 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
     for the life of the process. The two graphs share one memory pool, which
     is safe because they never run at once and nobody reads their outputs.
     """
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), gpu_turn():
         caller = torch.cuda.current_stream()
         work = caller if caller != torch.cuda.default_stream() else _side_stream(device)
         work.wait_stream(caller)

@@ -111,6 +111,8 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
         # a cold decision cache per configuration, as on a user's first run: setup_s includes the measured
         # decisions, and experiments/calibrate.py reads what was measured from <out>/decisions/
         os.environ["CONCUR_CACHE_DIR"] = str(Path(cfg["out"]) / "decisions" / file_stem(row["key"]))
+        if cfg.get("gpu_lock"):  # children compiling side by side time their decisions one at a time
+            os.environ["CONCUR_MEASURE_LOCK"] = cfg["gpu_lock"] + ".measure"
     memory = MemoryPeaks(cuda)
     memory.begin_setup()
     t0 = time.perf_counter()
