@@ -117,7 +117,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     cm = _analysed(args, zoo, api.optimize, model, example, streams=args.streams, scheduler=args.scheduler,
                    cost_model=cost)
     print(_plan_summary(cm, describe(cost)))
-    advice = faster_streams(inspection.predicted_speedup, args.streams)
+    advice = faster_streams(inspection.calibrated_speedup or inspection.predicted_speedup, args.streams)
     if advice:
         print(advice)
     return 0

@@ -73,3 +73,19 @@ def test_inspect_says_which_device_its_prediction_is_for():
     h100 = concur.inspect(model, x, device="h100")
     assert h100.device_model.startswith("h100 roofline") and "device model       h100 roofline" in str(h100)
     assert concur.inspect(model, x, cost_model=AnalyticCost(ROOF)).device_model.startswith("test roofline")
+
+
+def test_inspect_gives_the_calibrated_prediction_and_the_gpu_it_was_fitted_on():
+    from concur.dag.calibration import calibration_for
+    from tests.models import WideNet
+
+    model, x = WideNet(), (torch.randn(2, 3, 16, 16),)
+    fitted = calibration_for("h100")
+    assert fitted is not None and not fitted.placeholder  # the shipped H100 fit (experiments/calibrate.py)
+    h100 = concur.inspect(model, x, device="h100", max_streams=4)
+    assert h100.calibrated_on == fitted.gpu and f"fitted to measurements on an {fitted.gpu}" in str(h100)
+    for k, raw in h100.predicted_speedup.items():
+        assert h100.calibrated_speedup[k] == pytest.approx(fitted.speedup(raw, h100.ideal_speedup[k]))
+    assert h100.calibrated_speedup[4] < h100.predicted_speedup[4]  # the H100 delivers less than predicted
+    a100 = concur.inspect(model, x, device="a100", max_streams=4)  # no measurements of this GPU: raw only
+    assert a100.calibrated_speedup == {} and a100.calibrated_on is None and "calibrated" not in str(a100)

@@ -16,6 +16,7 @@ import schedulers
 from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
+from concur.dag.calibration import calibration_for
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
@@ -296,6 +297,9 @@ class Inspection:
     auto_leaves: tuple[str, ...] = ()
     ideal_speedup: dict[int, float] = field(default_factory=dict)  # each kernel as fast as alone: a bound
     device_model: str = ""  # the device the op costs are predicted for (cost.describe)
+    # the prediction fitted to measured decisions on a GPU of this kind (concur.dag.calibration); {} where none is
+    calibrated_speedup: dict[int, float] = field(default_factory=dict)
+    calibrated_on: str | None = None  # the GPU those measurements were taken on
 
     def __str__(self) -> str:
         rows = [f"model              {self.model}",
@@ -308,6 +312,9 @@ class Inspection:
                 "streams  predicted speedup  (if kernels did not compete for the device)"]
         rows += [f"{k:>7}  {v:17.2f}x  ({self.ideal_speedup.get(k, float('nan')):.2f}x)"
                  for k, v in self.predicted_speedup.items()]
+        if self.calibrated_speedup:
+            rows.append(f"calibrated         " + ", ".join(f"{k}: {v:.2f}x" for k, v in self.calibrated_speedup.items())
+                        + f" (fitted to measurements on an {self.calibrated_on})")
         if self.auto_leaves:
             shown = ", ".join(self.auto_leaves[:4]) + (", ..." if len(self.auto_leaves) > 4 else "")
             rows.append(f"auto leaves        {len(self.auto_leaves)} kept whole, fx cannot trace them: {shown}")
@@ -331,6 +338,8 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
     except (CaptureError, ExampleInputError) as exc:
         raise _from_here(exc)
     speedups = schedulers.speedup_predictions(dag, max_streams, scheduler)
+    fitted = calibration_for(cost_model.roofline.name if isinstance(cost_model, AnalyticCost)
+                             else device or device_name(model, example_inputs))
     return Inspection(
         model=type(model).__name__,
         num_ops=dag.number_of_nodes(),
@@ -342,4 +351,7 @@ def inspect(model: nn.Module, example_inputs: tuple, *, scheduler: str = "critic
         auto_leaves=traced.meta.get(AUTO_LEAVES_META, ()),
         ideal_speedup=speedups["ideal"],
         device_model=describe(cost_model),
+        calibrated_speedup={k: fitted.speedup(v, speedups["ideal"][k]) for k, v in speedups["contention"].items()}
+        if fitted else {},
+        calibrated_on=fitted.gpu if fitted else None,
     )
