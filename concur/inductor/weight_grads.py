@@ -14,6 +14,16 @@ no arithmetic, and inductor fuses exactly what it fused before.
 A linear layer's weight gradient is already its own ``mm``; both kinds are
 recognised (:func:`weight_gradient_nodes`) by where their values go: only to
 the graph's outputs, the gradients the optimizer reads.
+
+One thing the joint call does that its input-gradient half would not: cuDNN
+(ATen's ``cudnn_convolution_backward``) converts grad_output to the memory
+format of ``input``, which the joint call first makes the convolution's
+(``input.contiguous(channels_last)`` when the weight is channels-last, or
+inductor's own copy). The input-gradient half skips that copy of ``input``,
+so with a contiguous ``input`` (timm's ResNeSt: an avg-pool or a split sum
+before a 1x1 convolution of a channels-last model) it converts grad_output to
+contiguous and straight back, two full copies the wrapper never shows. The
+split therefore makes that one copy of ``input`` itself, shared by both halves.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ def split_convolution_backward(graph: fx.Graph) -> int:
             continue  # the whole tuple is used (AOTAutograd never does this): leave the call whole
         head = node.args[:_OUTPUT_MASK]
         with graph.inserting_before(node):
+            head = _input_in_backend_format(graph, head)
             input_grad = graph.call_function(node.target, (*head, [True, False, False]))
             weight_grad = graph.call_function(node.target, (*head, [False, mask[1], mask[2]]))
         value = node.meta.get("val")
@@ -68,6 +79,47 @@ def split_convolution_backward(graph: fx.Graph) -> int:
     if split:
         graph.lint()
     return split
+
+
+def _strides_like_channels_last(t: torch.Tensor) -> bool:
+    """Return whether ``t.suggest_memory_format()`` is channels-last (c10's test, for a 4-d tensor's strides).
+
+    Read off the strides because a 1x1 kernel's weight is contiguous in both
+    formats, and it is its strides, not ``is_contiguous``, that cuDNN goes by.
+    """
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
+
+
+def _input_in_backend_format(graph: fx.Graph, head: tuple) -> tuple:
+    """Return the call's arguments with ``input`` copied to channels-last where cuDNN would copy it.
+
+    cuDNN's format is channels-last when input or weight is; a contiguous
+    input of a channels-last weight is what the joint call copies once and
+    what the input-gradient half alone would answer with two grad_output copies.
+    """
+    x, w = head[1], head[2]
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    wv = w.meta.get("val") if isinstance(w, fx.Node) else None
+    if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or xv.dim() != 4 \
+            or xv.device.type != "cuda":
+        return head
+    # the joint call's input.contiguous(channels_last) copies exactly when this is False
+    if xv.is_contiguous(memory_format=torch.channels_last) or not _strides_like_channels_last(wv):
+        return head
+    copy = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.channels_last})
+    copy.meta = {"val": xv.clone(memory_format=torch.channels_last)}
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in x.meta:
+            copy.meta[key] = x.meta[key]
+    return (head[0], copy, *head[2:])
 
 
 def _reaches_only_outputs(node: fx.Node) -> bool:
