@@ -26,32 +26,10 @@ from concur.dag.cost import Roofline
 from concur.inductor import first_call
 from concur.inductor.first_call import FirstCall, FirstCallTiming
 from tests.models import DropoutBranches, WideNet
+# the same faked timer, rounds and decision cache as the other routes' tests (cache_dir is an autouse fixture)
+from tests.test_measured_decision import FASTER, SLOWER, FakeReplays, cache_dir  # noqa: F401
 
-SLOWER = [(1.0, 1.2)] * 5  # per round: one stream, several streams (ms)
-FASTER = [(1.0, 0.8)] * 5
 KEEPS = decide.Prediction(num_streams=2, serial_us=10.0, ideal_us=5.0, streams_us=6.0)  # the prediction keeps it
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("CONCUR_MEASURE", raising=False)
-    return tmp_path
-
-
-class FakeReplays:
-    """Stands in for alternating_replays: runs each program once, returns fixed rounds, counts its calls."""
-
-    def __init__(self, rounds, fail: Exception | None = None):
-        self.rounds, self.fail, self.calls = rounds, fail, 0
-
-    def __call__(self, one_stream, streams, device, *args, **kwargs):
-        self.calls += 1
-        one_stream()
-        streams()
-        if self.fail is not None:
-            raise self.fail
-        return self.rounds
 
 
 def fake_replays(monkeypatch, rounds, fail: Exception | None = None) -> FakeReplays:

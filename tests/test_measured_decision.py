@@ -32,15 +32,18 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 class FakeReplays:
-    """Stands in for alternating_replays: runs each program once, returns fixed rounds, counts its calls."""
+    """Stands in for alternating_replays: runs each program once, returns fixed rounds (or raises ``fail``),
+    counts its calls."""
 
-    def __init__(self, rounds):
-        self.rounds, self.calls = rounds, 0
+    def __init__(self, rounds, fail: Exception | None = None):
+        self.rounds, self.fail, self.calls = rounds, fail, 0
 
     def __call__(self, one_stream, streams, device, *args, **kwargs):
         self.calls += 1
         one_stream()
         streams()
+        if self.fail is not None:
+            raise self.fail
         return self.rounds
 
 
