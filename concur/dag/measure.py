@@ -174,9 +174,8 @@ def boxed_timer(one_stream: Callable[[list], Any], streams: Callable[[list], Any
     gets its own list, which inductor's ``call`` empties.
     """
     def timer() -> list[tuple[float, float]]:
-        with compat.outside_fake_mode(), rng_kept(device):
-            args = real_inputs(example_inputs)
-            return alternating_replays(lambda: one_stream(list(args)), lambda: streams(list(args)), device)
+        with compat.outside_fake_mode(), rng_kept(device):  # making the inputs draws random numbers too
+            return boxed_rounds(one_stream, streams, real_inputs(example_inputs), device)
 
     return timer
 
