@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import concur
 from concur.dag.cost import Roofline
@@ -130,3 +131,36 @@ def test_the_split_adds_one_launch_per_convolution_and_changes_no_fused_kernel()
         launches[split] = bw.num_launches, bw.convolutions_split
     (joint, _), (split_launches, split) = launches[False], launches[True]
     assert split == 5 and split_launches == joint + split, launches
+
+
+class _ConvolutionBackwardMasks(TorchDispatchMode):
+    """Record the output_mask of every convolution_backward run (not those of the cost model's meta tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks: list[tuple[bool, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten.convolution_backward.default and args[0].device.type != "meta":
+            self.masks.append(tuple(args[10]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_only_a_plan_on_several_streams_runs_the_split_calls(keep):
+    # A backward whose plan is dropped runs inductor's own program, the one torch.compile alone gives (and the
+    # one a measured plan is weighed against): its convolution backward calls stay joint
+    torch.manual_seed(0)
+    backend = concur.backend(streams=4, roofline=LAUNCH_LIGHT, min_predicted_speedup=1.0 if keep else 1e9)
+    compiled = torch.compile(ConvChain(), backend=backend)
+    x = torch.randn(8, 3, 16, 16)
+    loss = compiled(x).sum()
+    with _ConvolutionBackwardMasks() as seen:
+        loss.backward()
+    _, bw = forward_and_backward(backend.graphs)
+    if keep:
+        assert bw.num_streams > 1 and bw.convolutions_split == 5 and bw.weight_grad_ops == 7, bw
+        assert sorted(seen.masks) == sorted([(True, False, False)] * 5 + [(False, True, True)] * 6)
+    else:
+        assert bw.num_streams == 1 and bw.convolutions_split == 0 and bw.weight_grad_ops == 2, bw
+        assert sorted(seen.masks) == sorted([(True, True, True)] * 5 + [(False, True, True)])

@@ -39,7 +39,7 @@ from concur.dag.measure import boxed_timer, can_time, environment
 from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.first_call import FirstCallTiming
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
-from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
+from concur.inductor.weight_grads import split_calls, split_convolution_backward, weight_gradient_nodes
 from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
@@ -77,7 +77,9 @@ class BackendOptions:
     route: str = "wrapper"
     # With streams > 1: split each backward convolution_backward into its input-gradient and
     # weight(+bias)-gradient calls (concur.inductor.weight_grads), so the weight part can leave the
-    # critical path for a side stream. Same kernels, one more launch per convolution.
+    # critical path for a side stream. Same kernels, one more launch per convolution. The wrapper
+    # route splits only the program it puts on streams (concur.inductor.wrapper_split): a graph kept
+    # on one stream runs inductor's own joint calls.
     split_weight_grads: bool = True
     # On CUDA, the wrapper route times inductor's own call against the rewritten one (CUDA graphs,
     # alternating replays) before it keeps a plan the prediction let through, and keeps the faster;
@@ -185,15 +187,12 @@ class ConcurBackend:
             self.graphs.append(CompiledGraphInfo(is_backward, num_ops, 0, 1, 0, None,
                                                  one_stream_reason="streams=1"))
             return compiled
-        split = split_convolution_backward(gm.graph) if is_backward and o.split_weight_grads else 0
-        if split:
-            gm.recompile()
         weight_grad_ops = len(weight_gradient_nodes(gm.graph)) if is_backward else 0
         recorded = len(self.graphs)
         compiled = self._compile_on_streams(gm, example_inputs, is_backward, num_ops, args, kwargs)
-        if len(self.graphs) > recorded:
-            self.graphs[-1] = dataclasses.replace(self.graphs[-1], convolutions_split=split,
-                                                  weight_grad_ops=weight_grad_ops)
+        if len(self.graphs) > recorded:  # the joint calls split, counted where their program runs
+            record = self.graphs[-1]
+            self.graphs[-1] = dataclasses.replace(record, weight_grad_ops=weight_grad_ops + record.convolutions_split)
         return compiled
 
     def _compile_on_streams(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool,
@@ -209,6 +208,7 @@ class ConcurBackend:
         try:  # costs come from the fx graph, which inductor's post-grad passes rewrite in place
             roof = _roofline(o, example_inputs)
             node_costs = costs_by_source(gm.graph, build_aten_dag(gm.graph, roof))
+            splits = split_calls(gm.graph, roof) if is_backward and o.split_weight_grads else {}
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
             compiled = compat.inductor_compile_graph(gm, example_inputs, *args, **kwargs)
             self._fall_back(is_backward, num_ops, f"its costs could not be read ({_describe(exc)})")
@@ -225,7 +225,7 @@ class ConcurBackend:
         try:
             placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
                                    split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
-                                   f"graph of {num_ops} ops", on_decided=on_decided,
+                                   f"graph of {num_ops} ops", on_decided=on_decided, weight_grad_split=splits,
                                    **self._measuring(example_inputs, is_backward))
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
             self._fall_back(is_backward, num_ops, _describe(exc))
@@ -271,6 +271,11 @@ class ConcurBackend:
         """Compile with concur's schedule stamped on the post-grad graph: inductor emits streams and events."""
         o = self.options
         original = snapshot_graph(gm)  # inductor's post-grad passes change gm in place
+        # inductor emits the streams from the graph, so the split is the graph's; if the plan is dropped, the
+        # one-stream program is the split one (the wrapper route splits only the program it puts on streams)
+        split = split_convolution_backward(gm.graph) if is_backward and o.split_weight_grads else 0
+        if split:
+            gm.recompile()
         try:
             options = StreamOptions(o.streams, o.scheduler, _roofline(o, example_inputs), o.min_predicted_speedup)
             # inductor emits the streams here, so "ordered" is its reuse where that stays within a stream
@@ -284,7 +289,8 @@ class ConcurBackend:
         self.graphs.append(CompiledGraphInfo(
             is_backward, num_ops, 0, r.num_streams if r else 0, r.num_waits if r else 0, None,
             r.ideal_speedup if r else 1.0, r.predicted_speedup if r else 1.0, 0,
-            (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)")))
+            (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)"),
+            convolutions_split=split))
         return done.compiled
 
 
@@ -294,7 +300,7 @@ def _decided(placed: PlacedKernels) -> dict[str, Any]:
     return {"num_streams": plan.num_streams if placed.installed else 1,
             "num_waits": plan.num_waits if placed.installed else 0,
             "one_stream_reason": placed.one_stream, "reuses_kept": placed.reuses_kept,
-            "reuses_fresh": placed.reuses_fresh,
+            "reuses_fresh": placed.reuses_fresh, "convolutions_split": placed.convolutions_split,
             "decided_by": "pending" if placed.pending else decision.source if decision else "",
             "measured_speedup": decision.measured.speedup if decision and decision.measured else None}
 

@@ -24,16 +24,26 @@ so with a contiguous ``input`` (timm's ResNeSt: an avg-pool or a split sum
 before a 1x1 convolution of a channels-last model) it converts grad_output to
 contiguous and straight back, two full copies the wrapper never shows. The
 split therefore makes that one copy of ``input`` itself, shared by both halves.
+
+Where the split happens depends on the route: the stamped route splits the
+graph before inductor compiles it (:func:`split_convolution_backward`), the
+wrapper route compiles the joint calls and splits them only in the program
+it puts on streams (:func:`split_calls` says how,
+:mod:`concur.inductor.wrapper_split` does it).
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.fx as fx
 
-from concur.inductor.aten_dag import is_unpack, is_view
+from concur import _torch_compat as compat
+from concur.dag.cost import Roofline
+from concur.inductor.aten_dag import aten_cost, is_unpack, is_view
 
 aten = torch.ops.aten
 
@@ -51,7 +61,59 @@ def split_convolution_backward(graph: fx.Graph) -> int:
     Returns the number of calls split. Masked-off outputs are not computed,
     so values and the gradients' layouts are those of the joint call.
     """
-    split = 0
+    split = len(_split_calls(graph))
+    if split:
+        graph.lint()
+    return split
+
+
+@dataclass(frozen=True)
+class SplitCall:
+    """How a multi-stream program splits one joint ``convolution_backward`` of a compiled graph.
+
+    Found in inductor's wrapper by ``source`` (the name inductor lists above
+    the call) and its ``output_mask``; ``costs`` are the predicted (µs,
+    resource share) of the parts, under ``source`` + ``.input``, ``.weight``
+    and, where the input is copied to channels-last for both (see the module
+    docstring), ``.copy``.
+    """
+
+    source: str
+    mask: tuple[bool, ...]
+    copy_input: bool
+    costs: Mapping[str, tuple[float, dict]]
+
+
+def split_calls(graph: fx.Graph, roof: Roofline) -> dict[str, SplitCall]:
+    """Return how :func:`split_convolution_backward` would split ``graph``'s calls, by source name; ``graph`` is unchanged.
+
+    The wrapper route compiles the joint calls (inductor's own program, the
+    one a user gets without concur) and splits them only in the program it
+    puts on several streams (:mod:`concur.inductor.wrapper_split`), so its
+    one-stream program is never the split one.
+    """
+    scratch = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    scratch.graph_copy(graph, copies)
+    joints = {copies[n]: n for n in graph.nodes if n in copies}
+    found: dict[str, SplitCall] = {}
+    for joint, mask, input_half, weight_half, copy in _split_calls(scratch):
+        source = compat.inductor_source_name(joints[joint])
+        parts = {".input": input_half, ".weight": weight_half, **({".copy": copy} if copy is not None else {})}
+        costs = {}
+        for suffix, node in parts.items():
+            cost = aten_cost(node)
+            costs[source + suffix] = (cost.microseconds(roof), cost.share(roof))
+        found[source] = SplitCall(source, mask, copy is not None, costs)
+    return found
+
+
+def _split_calls(graph: fx.Graph) -> list[tuple[fx.Node, tuple[bool, ...], fx.Node, fx.Node, fx.Node | None]]:
+    """Split the graph's joint calls in place; return (joint, its mask, input half, weight half, input copy) each.
+
+    The joint nodes returned are out of the graph.
+    """
+    done = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.convolution_backward.default:
             continue
@@ -74,11 +136,10 @@ def split_convolution_backward(graph: fx.Graph) -> int:
                 half.meta["val"] = tuple(v if i in keep else None for i, v in enumerate(value))
         for user in list(node.users):
             user.replace_input_with(node, input_grad if user.args[1] == 0 else weight_grad)
+        copy = head[1] if head[1] is not node.args[1] else None
         graph.erase_node(node)
-        split += 1
-    if split:
-        graph.lint()
-    return split
+        done.append((node, tuple(mask), input_grad, weight_grad, copy))
+    return done
 
 
 def _strides_like_channels_last(t: torch.Tensor) -> bool:

@@ -55,7 +55,9 @@ from concur.dag.cost import Roofline
 from concur.dag.hazards import hazard_edges
 from concur.inductor.first_call import Deferred, FirstCall, FirstCallTiming, defer
 from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement, parse_wrapper
+from concur.inductor.weight_grads import SplitCall
 from concur.inductor.wrapper_program import _ALIGNING_COPIES
+from concur.inductor.wrapper_split import split_costs, split_weight_gradient_calls
 from concur.streams import StreamRuntime
 
 
@@ -516,6 +518,7 @@ class PlacedKernels:
     decision: decide.Decision | None = None  # None where there was nothing to decide, or not yet
     # the decision waits for the graph's first call, which times both programs on its inputs (first_call)
     pending: bool = False
+    convolutions_split: int = 0  # joint convolution backward calls split in what runs (installed plans only)
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
@@ -537,7 +540,8 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                   scheduler: str, min_predicted_speedup: float = decide.MIN_SPEEDUP, split_reuses: bool = False, *,
                   label: str = "a graph", measure: Measure | None = None, cache: decide.DecisionCache | None = None,
                   key_parts: tuple = (), first_call: FirstCallTiming | None = None,
-                  on_decided: Callable[[PlacedKernels], None] | None = None) -> PlacedKernels:
+                  on_decided: Callable[[PlacedKernels], None] | None = None,
+                  weight_grad_split: Mapping[str, SplitCall] | None = None) -> PlacedKernels:
     """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
 
     The graph keeps running inductor's own call when it has fewer than two
@@ -563,12 +567,20 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     reuse line were a fresh allocation, and the plan keeps the reuses its
     schedule orders anyway (:func:`kept_reuses`).
 
+    With ``weight_grad_split`` (a backward's joint convolution backward
+    calls, :func:`concur.inductor.weight_grads.split_calls`), the program put
+    on streams has them split (:mod:`concur.inductor.wrapper_split`), while
+    the one-stream program it is weighed against stays inductor's own.
+
     Raises:
         ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
     """
     source, namespace, bound_to, replace = compat.inductor_wrapper(compiled)
+    source, split = split_weight_gradient_calls(source, weight_grad_split or {})
+    node_costs = split_costs(node_costs, split)
     program = parse_wrapper(source, namespace, split_reuses)
     launches = len(program.launches)
+    added = sum(1 + s.copy_input for s in split)  # launches the split adds to inductor's own call
     as_written = program.reuse_lines  # inductor's own call keeps every reuse
     if launches < 2:  # nothing is reordered, so nothing needs reading further
         return PlacedKernels(None, False, launches, f"{launches} kernel launch{'es' if launches != 1 else ''}: "
@@ -582,7 +594,7 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
         raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
     plan = plan_emission(program, schedule, dag)
     if plan.num_streams == 1:
-        return PlacedKernels(plan, False, launches, "the schedule uses one stream",
+        return PlacedKernels(plan, False, launches - added, "the schedule uses one stream",
                              serializing_barrier(program, dag, streams, scheduler, min_cost), as_written)
     built: list = []
 
@@ -592,10 +604,11 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
         return built[0]
 
     def placed(decision: decide.Decision) -> PlacedKernels:
-        if not decision.keep:
-            return PlacedKernels(plan, False, launches, decision.reason, reuses_kept=as_written, decision=decision)
+        if not decision.keep:  # inductor's own call runs, its convolution backward calls joint
+            return PlacedKernels(plan, False, launches - added, decision.reason, reuses_kept=as_written,
+                                 decision=decision)
         return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
-                             decision=decision)
+                             decision=decision, convolutions_split=len(split))
 
     key = decide.decision_key("wrapper", source, schedule.order, sorted(schedule.stream.items(), key=repr),
                               *key_parts) if measure is not None else None
@@ -624,7 +637,7 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
 
             replace(FirstCall(own, chosen, settle, first_call, mutated, written_inputs(program),
                               len(program.inputs)))
-            return PlacedKernels(plan, False, launches, "not decided yet: the graph's first call times both "
+            return PlacedKernels(plan, False, launches - added, "not decided yet: the graph's first call times both "
                                  "programs on its inputs", reuses_kept=as_written, pending=True)
     if decision.keep:
         replace(rewritten())
