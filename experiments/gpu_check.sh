@@ -28,6 +28,9 @@
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
 #                  (GoogLeNet, ResNet-50) and memory_diff side by side; then experiments/decision_check.py alone
+#   split29        the weight-gradient split made in the multi-stream program only: the fused envelope (GoogLeNet,
+#                  ResNet-50, ResNeSt-14d) and sanitizer (GoogLeNet, ResNeSt-14d) with the default reuse, and the
+#                  high-priority habits test, side by side; $OUT/split29.txt, $OUT/split29_logs.tgz
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -171,6 +174,10 @@ for step in "$@"; do
              timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 experiments/decision_check.py \
                --models torchvision:googlenet torchvision:resnet50 timm:skresnet18 --batch 32 2>&1 \
                | grep -v Warning | tee "$OUT/decision_fused.txt" | tail -30 ;;
+    split29) begin_parallel split29
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py -k priority
+             fused_checks ordered_reuse "googlenet resnet50 resnest14d" "googlenet resnest14d"
+             end_parallel split29 " passed\| failed\|Error\|sanitized run finished\|deviation" 4 600 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;
