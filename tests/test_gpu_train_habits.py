@@ -211,7 +211,8 @@ def test_high_priority_capture_trains_as_the_plain_loop_in_float64(compile):
     assert step._runner._capture_stream is not None and step._runner._capture_stream.priority == greatest < least
     if compile:
         backward = [gr for gr in step.backends[4].graphs if gr.is_backward]
-        assert backward and all(gr.convolutions_split > 0 for gr in backward), backward
+        # the split is made in the program put on streams, and only there
+        assert backward and all((gr.convolutions_split > 0) == (gr.num_streams > 1) for gr in backward), backward
     deviation = ((losses - expected).abs() / expected.abs()).max().item()
     print(f"priority compile={compile}: loss deviation {deviation:.2e}")
     assert deviation <= 1e-9
