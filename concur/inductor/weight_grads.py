@@ -85,7 +85,9 @@ class SplitCall:
 
 
 def split_calls(graph: fx.Graph, roof: Roofline) -> dict[str, SplitCall]:
-    """Return how :func:`split_convolution_backward` would split ``graph``'s calls, by source name; ``graph`` is unchanged.
+    """Return how :func:`split_convolution_backward` would split ``graph``'s calls, by source name.
+
+    ``graph`` itself is unchanged: the split is made on a copy.
 
     The wrapper route compiles the joint calls (inductor's own program, the
     one a user gets without concur) and splits them only in the program it

@@ -117,14 +117,19 @@ def _outputs(fn: ast.FunctionDef) -> tuple[str, ...]:
 _ORIGINS = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")
 
 
+def listed_nodes(line: str) -> tuple[str, ...] | None:
+    """Return the fx nodes a "Topologically Sorted Source Nodes" comment line lists, or None for any other line."""
+    m = _ORIGINS.search(line)
+    return tuple(x.strip() for x in m.group(1).split(",") if x.strip()) if m else None
+
+
 def _attach_origins(statements: list["Statement"], lines: list[str]) -> None:
     """Give each launch the fx nodes of the last "Source Nodes" comment between it and the launch before.
 
     Inductor writes the comment above a kernel's launch, sometimes with the
     raw-stream lookup or allocations in between.
     """
-    comments = [(i + 1, tuple(x.strip() for x in m.group(1).split(",") if x.strip()))
-                for i, line in enumerate(lines) for m in [_ORIGINS.search(line)] if m]
+    comments = [(i + 1, names) for i, line in enumerate(lines) for names in [listed_nodes(line)] if names is not None]
     previous = 0
     for s in statements:
         if not s.is_launch:

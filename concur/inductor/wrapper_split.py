@@ -31,16 +31,14 @@ through ``[0]``, ``[1]``, ``[2]`` and ``del``; any other call stays joint.
 from __future__ import annotations
 
 import ast
-import re
 from typing import Mapping
 
 from concur.inductor.kernel_signatures import _dotted
+from concur.inductor.weight_grads import _OUTPUT_MASK as _MASK
 from concur.inductor.weight_grads import SplitCall
-from concur.inductor.wrapper_parse import find_call_function
+from concur.inductor.wrapper_parse import find_call_function, listed_nodes
 
 CONVOLUTION_BACKWARD = "torch.ops.aten.convolution_backward.default"
-_SOURCE_NODES = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")
-_MASK = 10  # convolution_backward's output_mask argument
 
 
 def split_weight_gradient_calls(module_source: str, calls: Mapping[str, SplitCall]
@@ -68,7 +66,8 @@ def split_weight_gradient_calls(module_source: str, calls: Mapping[str, SplitCal
         {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
     users: dict[str, list[ast.stmt]] = {name: [] for name in found}
     for stmt in statements:
-        if not isinstance(stmt, (ast.With, ast.FunctionDef, ast.ClassDef, ast.Try)):  # compounds: statement by statement
+        # a compound statement's body is walked statement by statement
+        if not isinstance(stmt, (ast.With, ast.FunctionDef, ast.ClassDef, ast.Try)):
             for name in {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)} & users.keys():
                 users[name].append(stmt)
     for name in list(found):
@@ -128,15 +127,15 @@ def _joint_call(stmt: ast.stmt) -> ast.Assign | None:
     return stmt if values[0] and (values[1] or values[2]) else None
 
 
-def _listed_above(lines: list[str], lineno: int) -> list[str]:
+def _listed_above(lines: list[str], lineno: int) -> tuple[str, ...]:
     """Return the nodes of the "Source Nodes" comment in the block of comment lines right above line ``lineno``."""
     i = lineno - 2
     while i >= 0 and lines[i].lstrip().startswith("#"):
-        m = _SOURCE_NODES.search(lines[i])
-        if m:
-            return [x.strip() for x in m.group(1).split(",") if x.strip()]
+        names = listed_nodes(lines[i])
+        if names is not None:
+            return names
         i -= 1
-    return []
+    return ()
 
 
 def _indexed_joint(stmt: ast.stmt, found: Mapping[str, object]) -> str | None:
@@ -160,12 +159,9 @@ def _split_lines(stmt: ast.Assign, split: SplitCall, indent: str) -> list[str]:
     args = list(call.args)
     lines = []
     if split.copy_input:  # cuDNN's format for both parts, copied once as the joint call did
-        copy = ast.Call(ast.Attribute(ast.Attribute(ast.Attribute(ast.Attribute(
-            ast.Name("torch", ast.Load()), "ops", ast.Load()), "aten", ast.Load()), "clone", ast.Load()),
-            "default", ast.Load()), [args[1]],
-            [ast.keyword("memory_format", ast.Attribute(ast.Name("torch", ast.Load()), "channels_last", ast.Load()))])
         lines += [_comment(indent, split.source + ".copy", "aten.clone"),
-                  f"{indent}{_input_copy(name)} = {ast.unparse(copy)}"]
+                  f"{indent}{_input_copy(name)} = torch.ops.aten.clone.default({ast.unparse(args[1])}, "
+                  "memory_format=torch.channels_last)"]
         args[1] = ast.Name(_input_copy(name), ast.Load())
     for target, suffix, mask in ((name, ".input", (True, False, False)),
                                  (_weight(name), ".weight", (False, *split.mask[1:]))):
