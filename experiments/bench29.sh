@@ -6,7 +6,8 @@
 # cold cache, kept in RUN_DIR/decisions/<config>/ for experiments/calibrate.py.
 #   bash experiments/bench29.sh RUN_DIR PART    (PART below; each within ~9 minutes on one H100)
 #   z1 z2 z3   fused default (train_step(compile=True), 4 streams) against peer_compile_graph, a third of the
-#              zoo each (z3 adds torchvision's GoogLeNet, Inception-v3 and ResNet-50)
+#              timm zoo each
+#   z4         the same on torchvision's GoogLeNet, Inception-v3 and ResNet-50
 #   u1 u2      unfused default (train_step, 4 streams) against peer_eager_graph, half of the zoo each
 # Packs RUN_DIR to $OUT/bench.tgz.
 set -uo pipefail
@@ -30,10 +31,11 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt
 case $part in
   z1) fused $zoo1 ;;
   z2) fused $zoo2 ;;
-  z3) fused $zoo3 $torchvision ;;
+  z3) fused $zoo3 ;;
+  z4) fused $torchvision ;;
   u1) unfused $zoo1 $zoo2 ;;
   u2) unfused $zoo3 $torchvision ;;
-  *) echo "unknown part '$part': z1 z2 z3 u1 u2" >&2; exit 2 ;;
+  *) echo "unknown part '$part': z1 z2 z3 z4 u1 u2" >&2; exit 2 ;;
 esac
 wait
 for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off

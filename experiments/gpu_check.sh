@@ -31,6 +31,9 @@
 #   split29        the weight-gradient split made in the multi-stream program only: the fused envelope (GoogLeNet,
 #                  ResNet-50, ResNeSt-14d) and sanitizer (GoogLeNet, ResNeSt-14d) with the default reuse, and the
 #                  high-priority habits test, side by side; $OUT/split29.txt, $OUT/split29_logs.tgz
+#   step29         train_step(compile=True) deciding its streams on the whole captured step (tests/test_gpu_step_streams.py),
+#                  the habits, lean-step and measure tests, the fused envelope (GoogLeNet, ResNeSt-14d) and sanitizer
+#                  (GoogLeNet), side by side; $OUT/step29.txt, $OUT/step29_logs.tgz
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -178,6 +181,13 @@ for step in "$@"; do
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py -k priority
              fused_checks ordered_reuse "googlenet resnet50 resnest14d" "googlenet resnest14d"
              end_parallel split29 " passed\| failed\|Error\|sanitized run finished\|deviation" 4 600 ;;
+    step29) begin_parallel step29  # the decision over the whole compiled step, and what it must not break
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
+             fused_checks ordered_reuse "googlenet resnest14d" "googlenet"
+             end_parallel step29 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

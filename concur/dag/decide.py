@@ -104,6 +104,12 @@ def predict(dag: nx.DiGraph, schedule: schedulers.Schedule) -> Prediction:
     return Prediction(schedule.num_streams, serial_us, schedule.makespan, shared)
 
 
+def together(predictions: Sequence[Prediction]) -> Prediction:
+    """Return the prediction of several graphs run one after another (a training step's forward and backward)."""
+    return Prediction(max((p.num_streams for p in predictions), default=1), sum(p.serial_us for p in predictions),
+                      sum(p.ideal_us for p in predictions), sum(p.streams_us for p in predictions))
+
+
 @dataclass(frozen=True)
 class Measured:
     """Median times of one replay (ms) of the one-stream and the multi-stream program, alternated."""

@@ -71,7 +71,9 @@ def environment(device: torch.device) -> tuple[str, str, str | None]:
 
 
 def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any], device: torch.device,
-                        rounds: int = ROUNDS, replays: int = REPLAYS, warmup: int = WARMUP) -> list[tuple[float, float]]:
+                        rounds: int = ROUNDS, replays: int = REPLAYS, warmup: int = WARMUP, *, pool: Any = None,
+                        capture_stream: torch.cuda.Stream | None = None,
+                        keep: list | None = None) -> list[tuple[float, float]]:
     """Return, per round, the ms of one replay of ``one_stream`` and of ``streams``, each captured in a CUDA graph.
 
     Both callables run their program on fixed inputs (a CUDA graph replays
@@ -82,6 +84,12 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
     a cuBLAS workspace (32 MiB on an H100) and cached blocks of its own, held
     for the life of the process. The two graphs share one memory pool, which
     is safe because they never run at once and nobody reads their outputs.
+
+    A caller that captures graphs of its own may pass its ``pool`` and
+    ``capture_stream``, so that what timing held is reused, not held beside
+    (its warm-up still runs on the stream above); with ``keep``, the graphs
+    are appended there instead of freed: torch refuses a pool whose graphs
+    are all gone, so the caller holds one until its own capture.
     """
     with torch.cuda.device(device), gpu_turn():
         caller = torch.cuda.current_stream()
@@ -91,14 +99,16 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
             for _ in range(warmup):
                 one_stream()
                 streams()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        capture_stream = work if capture_stream is None else capture_stream
         graphs = []
         for program in (one_stream, streams):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=work):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 program()
             graphs.append(graph)
         caller.wait_stream(work)
+        caller.wait_stream(capture_stream)
         times: list[tuple[float, float]] = []
         for r in range(rounds):
             ms = {}
@@ -111,6 +121,8 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
                 end.synchronize()
                 ms[i] = start.elapsed_time(end) / replays
             times.append((ms[0], ms[1]))
+        if keep is not None:
+            keep.extend(graphs)
         del graphs
         return times
 

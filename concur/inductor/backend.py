@@ -40,7 +40,7 @@ from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.first_call import FirstCallTiming
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
 from concur.inductor.weight_grads import split_calls, split_convolution_backward, weight_gradient_nodes
-from concur.inductor.wrapper_emit import PlacedKernels, place_kernels
+from concur.inductor.wrapper_emit import InstalledPlan, PlacedKernels, place_kernels
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP
@@ -110,7 +110,9 @@ class CompiledGraphInfo:
     reuses_kept: int = 0
     reuses_fresh: int = 0
     # what the keep-or-drop decision rested on: "prediction", "measurement" or "cache" ("" if none was made;
-    # "pending" until the graph's first call, which times both programs on its inputs)
+    # "pending" until the graph's first call, which times both programs on its inputs); "step measurement" or
+    # "step cache" where train_step's decision over the whole step dropped a plan this graph kept
+    # (concur.training.step_streams)
     decided_by: str = ""
     measured_speedup: float | None = None  # one stream's measured time over the plan's, where it was timed
 
@@ -148,6 +150,8 @@ class ConcurBackend:
         self.options = options
         self.graphs: list[CompiledGraphInfo] = []
         self._warned: set[str] = set()
+        # index in ``graphs`` -> the multi-stream program installed there (the wrapper route's, as decided)
+        self._installed: dict[int, InstalledPlan] = {}
 
     def __repr__(self) -> str:
         o = self.options
@@ -220,7 +224,11 @@ class ConcurBackend:
         record = len(self.graphs)  # this graph's record; a decision made at its first call replaces it
 
         def on_decided(placed: PlacedKernels) -> None:
-            self.graphs[record] = dataclasses.replace(self.graphs[record], **_decided(placed))
+            old = self.graphs[record]  # its weight-gradient ops count the split calls of what runs
+            self.graphs[record] = dataclasses.replace(old, **_decided(placed), weight_grad_ops=old.weight_grad_ops
+                                                      - old.convolutions_split + placed.convolutions_split)
+            if placed.installed_plan is not None:
+                self._installed[record] = placed.installed_plan
 
         try:
             placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
@@ -241,7 +249,29 @@ class ConcurBackend:
             is_backward, num_ops, placed.num_launches, ideal_speedup=plan.ideal_speedup if plan else 1.0,
             predicted_speedup=plan.predicted_speedup if plan else 1.0, num_barriers=plan.num_barriers if plan else 0,
             fallback_reason=None, **_decided(placed)))
+        if placed.installed_plan is not None:
+            self._installed[record] = placed.installed_plan
         return compiled
+
+    # -- the decision over the whole step (concur.training.step_streams) -------------------------
+
+    def installed_plans(self, since: int = 0) -> list[InstalledPlan]:
+        """Return the multi-stream programs running now for ``graphs[since:]``, in compile order (wrapper route)."""
+        return [self._installed[i] for i in sorted(self._installed) if i >= since]
+
+    def use_installed_plans(self, on: bool, since: int = 0) -> None:
+        """Run each installed multi-stream program of ``graphs[since:]`` (``on``), or inductor's own call instead."""
+        for plan in self.installed_plans(since):
+            plan.use_streams(on)
+
+    def drop_installed_plans(self, reason: str, decided_by: str, since: int = 0) -> None:
+        """Put the installed plans' graphs of ``graphs[since:]`` back on inductor's call for good, saying why."""
+        for i in [i for i in sorted(self._installed) if i >= since]:
+            self._installed.pop(i).use_streams(False)
+            g = self.graphs[i]  # inductor's call: no waits, no fresh reuses, its convolution backward calls joint
+            self.graphs[i] = dataclasses.replace(g, num_streams=1, num_waits=0, one_stream_reason=reason,
+                                                 reuses_fresh=0, convolutions_split=0, decided_by=decided_by,
+                                                 weight_grad_ops=g.weight_grad_ops - g.convolutions_split)
 
     def _measuring(self, example_inputs: Sequence[Any], is_backward: bool) -> dict[str, Any]:
         """Return how :func:`place_kernels` times and caches its decision here: nothing without a GPU.

@@ -502,6 +502,21 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
 
 
 @dataclass(frozen=True)
+class InstalledPlan:
+    """An installed multi-stream program, with inductor's own call kept beside it.
+
+    A decision over the whole captured step (:mod:`concur.training.step_streams`)
+    times the step with every graph's plan against the step with none, and
+    can put a graph back on inductor's call after its own decision kept the
+    plan: a small graph's gain measured alone need not survive in the step.
+    """
+
+    key: str | None                     # the graph's own decision key (None where nothing is measured)
+    prediction: decide.Prediction
+    use_streams: Callable[[bool], None]  # True: the multi-stream program runs; False: inductor's own call
+
+
+@dataclass(frozen=True)
 class PlacedKernels:
     """What :func:`place_kernels` did: the plan, and whether the compiled graph now runs it."""
 
@@ -519,6 +534,8 @@ class PlacedKernels:
     # the decision waits for the graph's first call, which times both programs on its inputs (first_call)
     pending: bool = False
     convolutions_split: int = 0  # joint convolution backward calls split in what runs (installed plans only)
+    # installed plans decided with ``measure`` only: how to switch back to inductor's call
+    installed_plan: InstalledPlan | None = None
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
@@ -603,12 +620,14 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
             built.append(build_call(program, plan, namespace, bound_to)[0])
         return built[0]
 
-    def placed(decision: decide.Decision) -> PlacedKernels:
+    def placed(decision: decide.Decision, own: Callable | None = None) -> PlacedKernels:
         if not decision.keep:  # inductor's own call runs, its convolution backward calls joint
             return PlacedKernels(plan, False, launches - added, decision.reason, reuses_kept=as_written,
                                  decision=decision)
+        chosen = rewritten()
+        switch = None if own is None else InstalledPlan(key, prediction, lambda on: replace(chosen if on else own))
         return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
-                             decision=decision, convolutions_split=len(split))
+                             decision=decision, convolutions_split=len(split), installed_plan=switch)
 
     key = decide.decision_key("wrapper", source, schedule.order, sorted(schedule.stream.items(), key=repr),
                               *key_parts) if measure is not None else None
@@ -632,13 +651,15 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                 call = chosen if decision.keep else own
                 replace(call)
                 if on_decided is not None:
-                    on_decided(placed(decision))
+                    on_decided(placed(decision, own))
                 return call
 
             replace(FirstCall(own, chosen, settle, first_call, mutated, written_inputs(program),
                               len(program.inputs)))
             return PlacedKernels(plan, False, launches - added, "not decided yet: the graph's first call times both "
                                  "programs on its inputs", reuses_kept=as_written, pending=True)
+    # a measured decision can be revisited over the whole step, which needs inductor's own call at hand
+    own = compat.inductor_generated_call(compiled) if measure is not None else None
     if decision.keep:
         replace(rewritten())
-    return placed(decision)
+    return placed(decision, own)

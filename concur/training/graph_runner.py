@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from concur.dag.annotate import tensors_in
+from concur.dag.measure import alternating_replays, can_time
 
 # torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
 HIGHEST_PRIORITY = -100
@@ -61,6 +62,7 @@ class CudaGraphRunner:
         self._capture_stream: torch.cuda.Stream | None = None
         self._side: torch.cuda.Stream | None = None
         self._pool: Any = None
+        self._held: list = []  # a timing graph that keeps the shared pool alive until the next capture
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
@@ -71,15 +73,43 @@ class CudaGraphRunner:
             yield
         torch.cuda.current_stream().wait_stream(self._side)
 
-    def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
-        graph = torch.cuda.CUDAGraph()
+    def _where(self) -> tuple[Any, torch.cuda.Stream | None]:
+        """The shared pool and the capture stream (None: torch.cuda.graph's own), made at first use."""
         if self.priority and self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+        return self._pool, self._capture_stream
+
+    def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        pool, stream = self._where()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = body()
+        self._held.clear()
         return graph, out
+
+    def can_time(self, device: torch.device) -> bool:
+        """Whether :meth:`time_programs` can time on ``device`` now (:func:`concur.dag.measure.can_time`)."""
+        return can_time(device)
+
+    def time_programs(self, one_stream: Callable[[], Any], streams: Callable[[], Any],
+                      device: torch.device) -> list[tuple[float, float]]:
+        """Return alternating rounds of two programs, each captured as this runner captures a step.
+
+        Same pool and capture stream as the step (so the step's capture
+        reuses what timing held, and the side streams run below the capture
+        stream's priority, as in the step); warm-up on the warm-up stream.
+        One timing graph is held until the next capture: torch refuses to
+        capture into a pool whose graphs are all gone.
+        """
+        pool, stream = self._where()
+        kept: list = []
+        with self.side_stream():
+            rounds = alternating_replays(one_stream, streams, device, warmup=1, pool=pool, capture_stream=stream,
+                                         keep=kept)
+        self._held = kept[:1]
+        return rounds
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -25,6 +25,10 @@ cost no more than PyTorch's own whole-step capture (``experiments/peers.py``):
   (:mod:`concur.training.snapshot`): the first replay is exactly the user's
   first step. The graphs of a step share one memory pool
   (:mod:`concur.training.graph_runner`).
+- Streams. With ``compile=True`` each graph decides its streams at its first
+  call; where a GPU can time it, the step then times forward and backward
+  captured with those plans against inductor's own calls and keeps the plans
+  only if the step is faster (:mod:`concur.training.step_streams`).
 - Everything else the trace read from Python is part of the graph's key
   (:mod:`concur.training.fingerprint`). A failed capture falls back to one
   stream and then to eager execution, with one warning each.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -42,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from concur import _torch_compat as compat
+from concur.dag import decide
 from concur.dag.annotate import tensors_in
 from concur.fx import module as api
 from concur.inductor.backend import ConcurBackend, backend
@@ -54,6 +60,7 @@ from concur.training.batch_checks import BatchChecks
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
 from concur.training.snapshot import Snapshot
+from concur.training.step_streams import decide_step_streams
 
 BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
@@ -139,6 +146,10 @@ class TrainStep:
         self._last_baked: tuple | None = None
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.eager_keys: set[tuple] = set()
+        # compile=True: the decisions over the whole step (concur.training.step_streams), and per stream
+        # count how many of its backend's graphs they have covered
+        self.step_decisions: list[decide.Decision] = []
+        self._step_decided: weakref.WeakKeyDictionary[ConcurBackend, int] = weakref.WeakKeyDictionary()
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict:
@@ -442,6 +453,9 @@ class TrainStep:
         try:
             with runner.side_stream():
                 reached = self._backward_from_none(module, static_inputs, static_targets, optimized)
+                if self.compile and streams > 1:  # every graph of this shape has decided by now
+                    self._decide_on_the_step(streams, lambda: self._backward_from_none(
+                        module, static_inputs, static_targets, optimized), static_inputs)
                 owned = None
                 if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
                     owned = {p: self._gradient_buffer(p) for p in reached}
@@ -465,6 +479,20 @@ class TrainStep:
             snapshot.restore()
             runner.synchronize()
         return Captured(graph, static_inputs, static_targets, loss, streams, grads)
+
+    def _decide_on_the_step(self, streams: int, forward_backward: Callable[[], Any], inputs: tuple) -> None:
+        """Keep the plans of the graphs compiled since the last such decision only if the step is faster with them."""
+        backend = self.backends.get(streams)
+        since = self._step_decided.get(backend, 0) if backend is not None else 0
+        if backend is None or since >= len(backend.graphs):
+            return
+        device = next((t.device for t in tensors_in(inputs) if t.is_cuda), torch.device("cpu"))
+        key_parts = (type(self.loss_fn).__qualname__, str(self.amp_dtype), self.accumulate, decide.MARGIN)
+        decision = decide_step_streams(backend, since, forward_backward, self._runner, device,
+                                       type(self.model).__name__, key_parts)
+        self._step_decided[backend] = len(backend.graphs)
+        if decision is not None:
+            self.step_decisions.append(decision)
 
     def _captured_optimizer_step(self, reached: list[torch.Tensor]) -> Callable[[], Any]:
         """The update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""

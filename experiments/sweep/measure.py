@@ -176,6 +176,10 @@ def describe_mode(p: PreparedMode) -> dict:
         row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
         if step.backends:
             row["compiled_graphs"] = compiled_graphs(step)
+        # the decisions over the whole step (concur.training.step_streams): kept, measured speedup, source
+        row["step_decisions"] = [dict(keep=d.keep, source=d.source, measured_speedup=d.measured.speedup
+                                      if d.measured else None, predicted_speedup=round(d.prediction.speedup, 4))
+                                 for d in getattr(step, "step_decisions", [])]
         if mode_kind(row["mode"]) in CONCUR_MODES:
             k = row["graph_streams"] or step.requested_streams
             seen = concur.inspect(p.model, (p.x,), max_streams=max(k, 1))
