@@ -302,6 +302,47 @@ def op_schema(target: object) -> "torch.FunctionSchema | None":
     return schema
 
 
+# --- Memory formats, read by concur.inductor.weight_grads ------------------------------------------
+
+
+def _c10_strides_like_channels_last(sizes: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Return c10's ``is_channels_last_strides_2d_s4``: a 4-d tensor's strides ordered C <= W <= H <= N."""
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
+
+
+def suggests_channels_last(t: torch.Tensor) -> bool:
+    """Return whether ``t.suggest_memory_format()`` is channels-last (c10's reading of a 4-d tensor's strides).
+
+    Read off the strides, not ``is_contiguous``: a 1x1 kernel's weight is
+    contiguous in both formats, and cuDNN goes by its strides. The C++
+    method is not bound in Python; torch's private Python copy,
+    ``torch._prims_common.suggest_memory_format``, answers for fake and
+    meta tensors too, and for symbolic sizes without adding a guard. It
+    agrees with c10 on 2.11 and 2.13 to 2.15; earlier copies multiplied by
+    a dimension's size where its *stride* exceeded 1 and disagreed on some
+    views (fixed by pytorch#173038). So outside :data:`TESTED_TORCH`, or
+    where the function is missing, c10's rule as written out here answers.
+    """
+    if t.layout != torch.strided or t.dim() != 4:
+        return False
+    suggest = None
+    if untested_torch() is None:
+        try:
+            from torch._prims_common import suggest_memory_format as suggest
+        except ImportError:  # pragma: no cover - depends on torch version
+            suggest = None
+    if suggest is None:
+        return _c10_strides_like_channels_last(t.shape, t.stride())
+    return suggest(t) == torch.channels_last
+
+
 # --- inductor's own streams (torch >= 2.13), used by concur.inductor.stamp ------------------
 # torch 2.11 has none of it (only make_fallback of streams::record_event/wait_event); 2.13.0 and
 # 2.14.1 have all of it. Each accessor checks the attributes it uses, not just the version.

@@ -169,3 +169,81 @@ def test_external_objects_are_in_the_table_during_the_block_and_a_dict_table_kee
         if isinstance(table, dict):
             for i in (index, index + 1, index + 2):
                 table.pop(i, None)
+
+
+def _old_weight_grads_rule(t: torch.Tensor) -> bool:
+    """The rule weight_grads wrote out by hand before it asked compat: c10's test for a 4-d tensor's strides."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
+
+
+def _weights_and_views() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Sizes and strides: convolution weights in both formats (1x1, depthwise, one channel) and odd views."""
+    cases = []
+    for size in ((16, 8, 3, 3), (16, 8, 1, 1), (16, 1, 3, 3), (1, 8, 1, 1), (8, 1, 1, 1), (1, 1, 1, 1),
+                 (2, 3, 1, 4), (0, 8, 3, 3), (16, 0, 1, 1)):
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            t = torch.empty(size, device="meta").to(memory_format=fmt)
+            cases += [(tuple(t.shape), t.stride()), (tuple(t[:, :1].shape), t[:, :1].stride())]
+    base = torch.empty(4, 8, 6, 5, device="meta")
+    for view in (base.permute(0, 2, 3, 1), base.permute(0, 3, 1, 2), base[:, :, ::2], base[:1].expand(3, -1, -1, -1),
+                 base[:, :1].expand(-1, 8, -1, -1), base.transpose(2, 3), base.transpose(0, 1)):
+        cases.append((tuple(view.shape), view.stride()))
+    # where torch's Python twin and c10 disagreed before pytorch#172830: unit strides of sizes above 1
+    cases += [((1, 2, 1, 1), (2, 1, 2, 1)), ((1, 1, 2, 1), (2, 1, 1, 1)), ((1, 1, 1, 3), (2, 1, 2, 1))]
+    return cases
+
+
+def test_channels_last_is_suggested_as_c10_suggests_it_for_real_meta_and_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cases = _weights_and_views()
+    with FakeTensorMode():
+        fakes = [torch.empty_strided(size, stride) for size, stride in cases]
+    for (size, stride), fake in zip(cases, fakes):
+        for t in (torch.empty_strided(size, stride), torch.empty_strided(size, stride, device="meta"), fake):
+            assert compat.suggests_channels_last(t) is _old_weight_grads_rule(t), (size, stride, t.device)
+    assert compat.suggests_channels_last(torch.empty(16, 8, 1, 1).to(memory_format=torch.channels_last))
+    assert not compat.suggests_channels_last(torch.empty(16, 8, 1, 1))
+    assert not compat.suggests_channels_last(torch.empty(8, 1, 1, 1))  # N111: contiguous by c10's convention
+    assert compat.suggests_channels_last(torch.empty_strided((1, 1, 2, 1), (2, 1, 1, 1)))
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 3), (0, 1, 2)])
+def test_channels_last_is_suggested_as_c10_suggests_it_for_every_small_stride(sizes):
+    import itertools
+
+    for size in itertools.product(sizes, repeat=4):
+        for stride in itertools.product((0, 1, 2, 3, 6), repeat=4):
+            t = torch.empty_strided(size, stride, device="meta")
+            assert compat.suggests_channels_last(t) is _old_weight_grads_rule(t), (size, stride)
+
+
+def test_outside_the_tested_range_or_without_torchs_function_c10s_rule_answers(monkeypatch):
+    import torch._prims_common as prims_common
+
+    wrong = lambda t: torch.channels_last  # noqa: E731 - a torch whose answer must not be used
+    monkeypatch.setattr(prims_common, "suggest_memory_format", wrong)
+    contiguous = torch.empty(16, 8, 3, 3, device="meta")
+    if compat.untested_torch() is None:
+        assert compat.suggests_channels_last(contiguous)  # torch's is asked inside the range
+    monkeypatch.setattr(compat, "untested_torch", lambda: "outside")
+    assert not compat.suggests_channels_last(contiguous)
+    monkeypatch.undo()
+    monkeypatch.delattr(prims_common, "suggest_memory_format")
+    for size, stride in _weights_and_views():
+        t = torch.empty_strided(size, stride, device="meta")
+        assert compat.suggests_channels_last(t) is _old_weight_grads_rule(t), (size, stride)
+
+
+def test_only_a_strided_4d_tensor_suggests_channels_last():
+    assert not compat.suggests_channels_last(torch.empty(2, 8, 3, 3, 3).to(memory_format=torch.channels_last_3d))
+    assert not compat.suggests_channels_last(torch.empty(8, 3, 3))
+    assert not compat.suggests_channels_last(torch.eye(4).reshape(2, 2, 2, 2).to_sparse())

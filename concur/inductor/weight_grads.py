@@ -144,23 +144,6 @@ def _split_calls(graph: fx.Graph) -> list[tuple[fx.Node, tuple[bool, ...], fx.No
     return done
 
 
-def _strides_like_channels_last(t: torch.Tensor) -> bool:
-    """Return whether ``t.suggest_memory_format()`` is channels-last (c10's test, for a 4-d tensor's strides).
-
-    Read off the strides because a 1x1 kernel's weight is contiguous in both
-    formats, and it is its strides, not ``is_contiguous``, that cuDNN goes by.
-    """
-    sizes, strides = t.shape, t.stride()
-    if strides[1] == 0:
-        return False
-    low = 0
-    for d in (1, 3, 2, 0):
-        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
-            return False
-        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
-    return True
-
-
 def _input_in_backend_format(graph: fx.Graph, head: tuple) -> tuple:
     """Return the call's arguments with ``input`` copied to channels-last where cuDNN would copy it.
 
@@ -175,7 +158,7 @@ def _input_in_backend_format(graph: fx.Graph, head: tuple) -> tuple:
             or xv.device.type != "cuda":
         return head
     # the joint call's input.contiguous(channels_last) copies exactly when this is False
-    if xv.is_contiguous(memory_format=torch.channels_last) or not _strides_like_channels_last(wv):
+    if xv.is_contiguous(memory_format=torch.channels_last) or not compat.suggests_channels_last(wv):
         return head
     copy = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.channels_last})
     copy.meta = {"val": xv.clone(memory_format=torch.channels_last)}
