@@ -18,6 +18,7 @@ from concur.dag.calibration import Calibration, calibrated_speedup, calibration_
 from concur.dag.decide import Prediction
 from concur.dag.disk_cache import JsonCache
 from experiments import calibrate
+from experiments.calibration import constants, fit, rows as calibration_rows, table as calibration_table
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -27,8 +28,9 @@ def _measured(predicted: float, ideal: float, shared: float, ideal_gap: float = 
     return Calibration(gpu="", roofline="", shared=shared, ideal_gap=ideal_gap).speedup(predicted, ideal)
 
 
-def _row(model: str, predicted: float, ideal: float, measured: float) -> calibrate.Row:
-    return calibrate.Row(model, f"a graph predicted {predicted}", predicted, ideal, measured, 1.0, 1.0 / measured)
+def _row(model: str, predicted: float, ideal: float, measured: float) -> calibration_rows.Row:
+    return calibration_rows.Row(model, f"a graph predicted {predicted}", predicted, ideal, measured, 1.0,
+                                1.0 / measured)
 
 
 PREDICTIONS = [(1.1, 1.5), (1.3, 2.0), (1.6, 2.4), (2.0, 3.5), (1.05, 1.2), (1.45, 3.0)]  # (speedup, ideal)
@@ -36,22 +38,23 @@ PREDICTIONS = [(1.1, 1.5), (1.3, 2.0), (1.6, 2.4), (2.0, 3.5), (1.05, 1.2), (1.4
 
 def test_doctests():
     assert doctest.testmod(calibration).failed == 0
-    assert doctest.testmod(calibrate).failed == 0
+    for module in (calibrate, calibration_rows, fit, calibration_table, constants):
+        assert doctest.testmod(module).failed == 0
 
 
 @pytest.mark.parametrize("shared, ideal_gap", [(0.6, 0.0), (0.8, -0.3)])
 def test_the_fit_recovers_known_constants(shared, ideal_gap):
     rows = [_row(f"net{i % 3}", p, i_, _measured(p, i_, shared, ideal_gap)) for i, (p, i_) in enumerate(PREDICTIONS)]
-    weights = calibrate.fit(rows, calibrate.FITS["contention"])
+    weights = fit.fit(rows, fit.FITS["contention"])
     assert weights["shared"] == pytest.approx(shared, abs=1e-9)
     assert weights["ideal_gap"] == pytest.approx(ideal_gap, abs=1e-9)
     if ideal_gap == 0:
-        assert calibrate.fit(rows, calibrate.FITS["shrink"]) == pytest.approx({"shared": shared, "ideal_gap": 0.0})
+        assert fit.fit(rows, fit.FITS["shrink"]) == pytest.approx({"shared": shared, "ideal_gap": 0.0})
 
 
 def test_too_few_rows_for_the_constants_is_an_error():
     with pytest.raises(ValueError, match="cannot fit 2 constants"):
-        calibrate.fit([_row("a", 1.5, 2.0, 1.2)], calibrate.FITS["contention"])
+        fit.fit([_row("a", 1.5, 2.0, 1.2)], fit.FITS["contention"])
 
 
 def test_the_calibration_applies_only_to_its_gpu():
@@ -82,24 +85,24 @@ def test_the_calibrated_speedup_never_passes_the_ideal_bound():
 
 
 def test_mean_abs_error_is_relative_to_the_measurement():
-    assert calibrate.mean_abs_error([1.2, 0.9], [1.0, 1.2]) == pytest.approx((0.2 + 0.25) / 2)
+    assert fit.mean_abs_error([1.2, 0.9], [1.0, 1.2]) == pytest.approx((0.2 + 0.25) / 2)
     with pytest.raises(ValueError):
-        calibrate.mean_abs_error([1.0], [1.0, 1.1])
+        fit.mean_abs_error([1.0], [1.0, 1.1])
 
 
 def test_the_report_grades_each_network_by_a_fit_without_it():
     # net "a" delivers 40% of the predicted saving, net "b" 80%: a fit on "b" alone calibrates "a"
     rows = [_row("a-b8", p, i, _measured(p, i, 0.4)) for p, i in PREDICTIONS[:3]]
     rows += [_row("b-b32", p, i, _measured(p, i, 0.8)) for p, i in PREDICTIONS[3:]]
-    rep = calibrate.report(rows, "shrink")
+    rep = fit.report(rows, "shrink")
     measured = [r.measured for r in rep.rows]
-    assert rep.mae_raw == pytest.approx(calibrate.mean_abs_error([r.predicted for r in rep.rows], measured))
+    assert rep.mae_raw == pytest.approx(fit.mean_abs_error([r.predicted for r in rep.rows], measured))
     assert [r.network for r in rep.rows] == ["a"] * 3 + ["b"] * 3
     assert rep.held_out == pytest.approx([_measured(r.predicted, r.ideal, 0.8 if r.network == "a" else 0.4)
                                           for r in rep.rows])
-    assert rep.mae_held_out == pytest.approx(calibrate.mean_abs_error(rep.held_out, measured))
+    assert rep.mae_held_out == pytest.approx(fit.mean_abs_error(rep.held_out, measured))
     assert rep.mae_held_out > rep.mae_in_sample > 0
-    assert calibrate.report(rows[:3]).held_out is None  # one network: nothing to hold out
+    assert fit.report(rows[:3]).held_out is None  # one network: nothing to hold out
 
 
 def _entry(p: float, ideal: float, measured: float, what: str) -> dict:
@@ -134,19 +137,19 @@ def test_calibrate_runs_end_to_end(tmp_path, capsys):
     assert all(r["calibrated"] == pytest.approx(r["measured"]) for r in written)
 
     compile(target.read_text(), str(target), "exec")
-    cal = calibrate.read_constants(target)[H100]
+    cal = constants.read_constants(target)[H100]
     assert (cal.shared, cal.ideal_gap, cal.rows, cal.networks, cal.torch, cal.placeholder) == (
         0.6, 0.0, 7, 4, "2.11.0+cu130", False)
     assert cal.mae_raw > 0.1 and cal.mae_calibrated == 0.0 and cal.roofline == "h100"
 
     # another GPU's entry joins the H100's rather than replacing it
     assert calibrate.main([*args[:2], "--gpu", "NVIDIA H200", "--rows", str(rows), "--write", str(target)]) == 0
-    assert set(calibrate.read_constants(target)) == {H100, "NVIDIA H200"}
+    assert set(constants.read_constants(target)) == {H100, "NVIDIA H200"}
 
 
 def test_the_shipped_constants_are_what_calibrate_writes():
     text = open(calibration.__file__).read()
-    block = text[text.index(calibrate.BEGIN):]
-    block = block[:block.index("\n", block.index(calibrate.END)) + 1]
-    assert calibrate.render(calibrate.read_constants(calibrate.TARGET)) == block
-    assert calibrate.read_constants(calibrate.TARGET) == calibration.CALIBRATIONS
+    block = text[text.index(constants.BEGIN):]
+    block = block[:block.index("\n", block.index(constants.END)) + 1]
+    assert constants.render(constants.read_constants(constants.TARGET)) == block
+    assert constants.read_constants(constants.TARGET) == calibration.CALIBRATIONS
