@@ -63,7 +63,12 @@ def main() -> None:
     ap.add_argument("--who", choices=("recipe", "concur"), required=True)
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-step-decision", action="store_true",
+                    help="leave out train_step's decision over the whole step (concur.training.step_streams)")
     args = ap.parse_args()
+    if args.no_step_decision:
+        import concur.training.step as step_module
+        step_module.decide_step_streams = lambda *a, **k: None
     model, batch, loss_fn, opt = setup(args.model, args.batch)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -89,7 +94,8 @@ def main() -> None:
              "held_reserved_mb": mb(torch.cuda.memory_reserved())}
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     peak, at_peak, end = _live_at_peak_and_end(trace)
-    label = f"{args.who} {args.model} b{args.batch} {'compiled' if args.compile else 'eager'} streams={args.streams}"
+    label = f"{args.who} {args.model} b{args.batch} {'compiled' if args.compile else 'eager'} streams={args.streams}" + \
+        (" (no step decision)" if args.no_step_decision else "")
     print(f"\n{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items()) + f"; traced peak {mb(peak):.1f} MB")
     rows = {}
     for title, live in (("live at the setup peak", at_peak), ("live once set up", end)):
