@@ -119,6 +119,8 @@ def test_calibrate_runs_end_to_end(tmp_path, capsys):
         JsonCache(run / model).put(f"key{i}", _entry(p, ideal, _measured(p, ideal, 0.6), f"the graph {i}"))
     JsonCache(tmp_path / "flat" / "decisions").put("k", _entry(1.3, 2.0, _measured(1.3, 2.0, 0.6), "flat"))
     JsonCache(run / "googlenet-b32", kind="tuner").put("t", {"streams": 4, "scheduler": "critical_path"})
+    # a whole step's decision (concur.training.step_streams) is not one graph's: passed over
+    JsonCache(run / "googlenet-b32").put("step", dict(_entry(1.3, 2.0, 1.1, "the forward and backward"), scope="step"))
     (run / "resnet50-b8" / "decisions" / "broken.json").write_text("{not json")
     target = tmp_path / "calibration.py"
     shutil.copy(calibration.__file__, target)
@@ -127,7 +129,7 @@ def test_calibrate_runs_end_to_end(tmp_path, capsys):
     args = [str(run), str(tmp_path / "flat"), "--gpu", H100, "--torch", "2.11.0+cu130", "--rows", str(rows)]
     assert calibrate.main([*args, "--write", str(target)]) == 0
     out = capsys.readouterr().out
-    assert "googlenet-b32" in out and "the graph 0" in out and "2 other JSON files passed over" in out
+    assert "googlenet-b32" in out and "the graph 0" in out and "3 other JSON files passed over" in out
     assert "7 measured rows of 4 models, 4 networks" in out
     assert "fit shrink: measured saving = 0.600 x shared" in out and "calibrated 0.0% with each network" in out
 

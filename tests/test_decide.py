@@ -132,6 +132,13 @@ def test_decisions_survive_on_disk(tmp_path):
     assert [p.name for p in JsonCache(tmp_path).entries()] == ["abc.json"]
 
 
+def test_a_stored_decision_says_its_scope():
+    cache, timer = DictCache(), FakeTimer([(2.0, 1.5)] * 5)
+    decide.decide("g", FAST, timer=timer, cache=cache, key="graph")
+    decide.decide("the step", FAST, timer=timer, cache=cache, key="step", scope="step")
+    assert cache.entries["graph"]["scope"] == "graph" and cache.entries["step"]["scope"] == "step"
+
+
 def test_the_key_changes_with_any_part():
     base = ("src", ((8, 3, 32, 32), "torch.float32"), "H100")
     assert decide.decision_key(*base) == decide.decision_key(*base)

@@ -174,15 +174,19 @@ def measured(rounds: Sequence[tuple[float, float]]) -> Measured:
 
 
 def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDUP, timer: Timer | None = None,
-           cache: DecisionCache | None = None, key: str | None = None, margin: float = MARGIN) -> Decision:
+           cache: DecisionCache | None = None, key: str | None = None, margin: float = MARGIN,
+           scope: str = "graph") -> Decision:
     """Return whether ``what`` runs its multi-stream program (see the module docstring), logging why.
 
     ``timer`` times the one-stream and the multi-stream program against
     each other; a timer that raises leaves the decision to the prediction
     (the log line says why). A measurement is stored in ``cache`` under
-    ``key`` and read back instead of timing again.
+    ``key`` and read back instead of timing again, with ``scope``:
+    ``"graph"`` (one compiled graph) or ``"step"`` (the graphs of a captured
+    step, :mod:`concur.training.step_streams`), which the calibration keeps
+    apart.
     """
-    decision = _decide(what, prediction, min_speedup, timer, cache, key, margin)
+    decision = _decide(what, prediction, min_speedup, timer, cache, key, margin, scope)
     if decision.keep:
         log.info("concur: %s runs on %d streams: %s", what, decision.num_streams, decision.reason)
     else:
@@ -191,7 +195,7 @@ def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDU
 
 
 def _decide(what: str, p: Prediction, min_speedup: float, timer: Timer | None, cache: DecisionCache | None,
-            key: str | None, margin: float) -> Decision:
+            key: str | None, margin: float, scope: str) -> Decision:
     predicted = (f"predicted {p.serial_us:,.1f} us on one stream against {p.streams_us:,.1f} us on "
                  f"{p.num_streams} ({p.speedup:.2f}x, kernels sharing the device)")
     if p.num_streams <= 1:
@@ -220,7 +224,7 @@ def _decide(what: str, p: Prediction, min_speedup: float, timer: Timer | None, c
         cache.put(key, {"keep": keep, "one_stream_ms": m.one_stream_ms, "streams_ms": m.streams_ms,
                         "rounds": m.rounds, "predicted_speedup": p.speedup, "ideal_speedup": p.ideal_speedup,
                         "serial_us": p.serial_us, "streams_us": p.streams_us, "num_streams": p.num_streams,
-                        "what": what})
+                        "what": what, "scope": scope})
     return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin)}; {predicted}")
 
 

@@ -70,7 +70,7 @@ def decide_step_streams(backend: ConcurBackend, since: int, forward_backward: Ca
         decision = decide.decide(f"the forward and backward of {what} ({len(plans)} graph"
                                  f"{'s' if len(plans) != 1 else ''} on streams)", decide.together([p.prediction for p in plans]),
                                  timer=lambda: timer.time_programs(run(False), run(True), device),
-                                 cache=cache if cache is not None else JsonCache(), key=key)
+                                 cache=cache if cache is not None else JsonCache(), key=key, scope="step")
     finally:
         backend.use_installed_plans(True, since)
     if not decision.keep:

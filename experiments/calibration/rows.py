@@ -68,7 +68,7 @@ def row_of_entry(path: Path) -> Row | None:
     except (OSError, ValueError):
         return None
     result = entry.get("result") if isinstance(entry, dict) and entry.get("format") == disk_cache.FORMAT else None
-    if not isinstance(result, dict):
+    if not isinstance(result, dict) or result.get("scope", "graph") != "graph":  # a whole step's: not one graph's
         return None
     one, many, predicted = (_positive(result.get(k)) for k in ("one_stream_ms", "streams_ms", "predicted_speedup"))
     if one is None or many is None or predicted is None:
