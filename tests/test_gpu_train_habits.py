@@ -208,7 +208,7 @@ def test_high_priority_capture_trains_as_the_plain_loop_in_float64(compile):
     losses = torch.tensor([step(x, y).item() for x, y in batches], dtype=torch.float64)
     expected = plain_loop(ref, sc, batches)
     least, greatest = torch.cuda.Stream.priority_range()
-    assert step._runner._capture_stream is not None and step._runner._capture_stream.priority == greatest < least
+    assert step._runner.stream.priority == greatest < least
     if compile:
         backward = [gr for gr in step.backends[4].graphs if gr.is_backward]
         # the split is made in the program put on streams, and only there

@@ -1,8 +1,8 @@
 """Capture and replay of whole training steps with ``torch.cuda.CUDAGraph``, as torch's docs prescribe.
 
-One runner serves all graphs of a step: its warm-up runs on one side
-stream (so the cached blocks of one warm-up serve the next), and its graphs
-share one memory pool (``torch.cuda.graph(pool=...)``). Sharing is safe
+One runner serves all graphs of a step: its warm-up and capture run on one
+side stream (so the cached blocks and cuBLAS workspaces of one serve the
+next), and its graphs share one memory pool (``torch.cuda.graph(pool=...)``). Sharing is safe
 because a step replays its graphs one at a time on one stream, and each
 graph's outputs (loss, gradients) stay referenced by its ``Captured`` for as
 long as the graph lives, so no later capture is handed their memory.
@@ -48,43 +48,47 @@ def batch_tensors(inputs: tuple, targets: Any) -> list[torch.Tensor]:
 
 
 class CudaGraphRunner:
-    """Warm-up on one side stream, capture into one shared pool.
+    """Warm-up, timing and capture on one side stream, graphs in one shared pool.
 
-    With ``priority`` the step is captured on a stream of the highest
-    priority. Stream 0 of every plan is the stream it is called on, and the
-    critical-path scheduler keeps the longest path there, so that path's
-    kernels (and the graph keeps each kernel's priority) win SMs over the side
-    streams', which have the default, lowest priority.
+    One stream for all of it: the caching allocator keeps freed blocks per
+    stream, and cuBLAS a workspace per handle and stream (32 MiB on an
+    H100, held for the life of the process), so a warm-up stream beside a
+    capture stream, as in PyTorch's recipe, holds a second set. With
+    ``priority`` that stream has the highest priority. Stream 0 of every
+    plan is the stream it is called on, and the critical-path scheduler
+    keeps the longest path there, so that path's kernels (and the graph
+    keeps each kernel's priority) win SMs over the side streams', which have
+    the default, lowest priority.
     """
 
     def __init__(self, priority: bool):
         self.priority = priority
-        self._capture_stream: torch.cuda.Stream | None = None
-        self._side: torch.cuda.Stream | None = None
+        self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self._held: list = []  # a timing graph that keeps the shared pool alive until the next capture
 
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The stream setup runs and captures on, made at first use."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY) if self.priority else torch.cuda.Stream()
+        return self._stream
+
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             yield
-        torch.cuda.current_stream().wait_stream(self._side)
+        torch.cuda.current_stream().wait_stream(self.stream)
 
-    def _where(self) -> tuple[Any, torch.cuda.Stream | None]:
-        """The shared pool and the capture stream (None: torch.cuda.graph's own), made at first use."""
-        if self.priority and self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
+    def _pool_handle(self) -> Any:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return self._pool, self._capture_stream
+        return self._pool
 
     def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
-        pool, stream = self._where()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self._pool_handle(), stream=self.stream):
             out = body()
         self._held.clear()
         return graph, out
@@ -97,17 +101,15 @@ class CudaGraphRunner:
                       device: torch.device) -> list[tuple[float, float]]:
         """Return alternating rounds of two programs, each captured as this runner captures a step.
 
-        Same pool and capture stream as the step (so the step's capture
-        reuses what timing held, and the side streams run below the capture
-        stream's priority, as in the step); warm-up on the warm-up stream.
-        One timing graph is held until the next capture: torch refuses to
-        capture into a pool whose graphs are all gone.
+        Same stream and pool as the step's capture: the step reuses what
+        timing held, and the programs' side streams run below its priority,
+        as in the step. One timing graph is held until the next capture:
+        torch refuses to capture into a pool whose graphs are all gone.
         """
-        pool, stream = self._where()
         kept: list = []
         with self.side_stream():
-            rounds = alternating_replays(one_stream, streams, device, warmup=1, pool=pool, capture_stream=stream,
-                                         keep=kept)
+            rounds = alternating_replays(one_stream, streams, device, warmup=1, pool=self._pool_handle(),
+                                         capture_stream=self.stream, keep=kept)
         self._held = kept[:1]
         return rounds
 
