@@ -82,7 +82,7 @@ def test_one_stream_step_memory_is_the_recipes(tmp_path):
     assert ratios["setup_peak_allocated_mb"] <= 1.02 and ratios["held_allocated_mb"] <= 1.02, ratios
 
 
-def test_graphs_of_a_step_share_one_pool_and_one_warm_up_stream():
+def test_graphs_of_a_step_share_one_pool_and_one_stream():
     model, (x, y) = _resnet50_batch(4)
     step = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01), (x, y),
                              streams=1)
@@ -90,4 +90,4 @@ def test_graphs_of_a_step_share_one_pool_and_one_warm_up_stream():
     step(x[:2], y[:2])  # a second shape: a second graph
     pools = {c.graph.pool() for c in step.graphs.values()}
     assert len(step.graphs) == 2 and len(pools) == 1
-    assert step._runner._side is not None
+    assert step._runner.stream is not None  # warm-up, timing and capture on one stream
