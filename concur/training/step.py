@@ -487,7 +487,8 @@ class TrainStep:
         if backend is None or since >= len(backend.graphs):
             return
         device = next((t.device for t in tensors_in(inputs) if t.is_cuda), torch.device("cpu"))
-        key_parts = (type(self.loss_fn).__qualname__, str(self.amp_dtype), self.accumulate, decide.MARGIN)
+        loss_name = getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__qualname__)
+        key_parts = (loss_name, str(self.amp_dtype), self.accumulate, self.stream_priority, decide.MARGIN)
         decision = decide_step_streams(backend, since, forward_backward, self._runner, device,
                                        type(self.model).__name__, key_parts)
         self._step_decided[backend] = len(backend.graphs)
