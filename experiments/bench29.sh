@@ -9,7 +9,7 @@
 #              timm zoo each
 #   z4         the same on torchvision's GoogLeNet, Inception-v3 and ResNet-50
 #   u1 u2      unfused default (train_step, 4 streams) against peer_eager_graph, half of the zoo each
-# Packs RUN_DIR to $OUT/bench.tgz.
+# Packs RUN_DIR to $OUT/bench.tgz, with RUN_DIR/zoo_table.md and RUN_DIR/decisions.jsonl (experiments/zoo_decisions.py).
 set -uo pipefail
 dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 TORCHINDUCTOR_COMPILE_THREADS=2
@@ -40,5 +40,7 @@ esac
 wait
 for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
 python3 -m experiments.sweep --out "$dir" --report-only >> "$OUT/bench_$part.log" 2>&1
+# the zoo's table: each network against the recipe beside its decisions (per graph and over the whole step)
+python3 -m experiments.zoo_decisions "$dir" --jsonl "$dir/decisions.jsonl" > "$dir/zoo_table.md" 2>> "$OUT/bench_$part.log"
 grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40
 tar czf "$OUT/bench.tgz" --exclude=traces --exclude=util "$dir"

@@ -1,0 +1,41 @@
+"""experiments/zoo_decisions.py: the zoo's table from a run directory, on a made-up run."""
+
+from __future__ import annotations
+
+import json
+
+from concur.dag.disk_cache import JsonCache
+from experiments import zoo_decisions
+
+
+def _decision(what, one, many, keep, predicted, scope=None):
+    entry = {"keep": keep, "one_stream_ms": one, "streams_ms": many, "rounds": 7, "predicted_speedup": predicted,
+             "what": what}
+    return entry if scope is None else dict(entry, scope=scope)
+
+
+def test_the_table_puts_each_network_beside_its_decisions_slowest_first(tmp_path, capsys):
+    rows = [dict(model="timm:fast", batch=32, precision="bf16", mode="peer_compile_graph", status="ok", ms=6.0),
+            dict(model="timm:fast", batch=32, precision="bf16", mode="fused:4", status="ok", ms=5.0),
+            dict(model="slow", batch=32, precision="bf16", mode="peer_compile_graph", status="ok", ms=4.0),
+            dict(model="slow", batch=32, precision="bf16", mode="fused:4", status="ok", ms=4.0),
+            dict(model="broken", batch=32, precision="bf16", mode="fused:4", status="error")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fast = JsonCache(tmp_path / "decisions" / "timm-fast_32_bf16_fused-4")
+    fast.put("f", _decision("the forward graph of 10 ops (4 launches)", 1.0, 0.8, True, 1.3))
+    fast.put("b", _decision("the backward graph of 20 ops (9 launches)", 2.0, 2.1, False, 1.1, scope="graph"))
+    fast.put("s", _decision("the forward and backward of Fast (1 graph on streams)", 3.0, 2.5, True, 1.2))  # no scope
+    slow = JsonCache(tmp_path / "decisions" / "slow_32_bf16_fused-4")
+    slow.put("s", _decision("the forward and backward of Slow", 3.0, 3.1, False, 1.05, scope="step"))
+    out = tmp_path / "all.jsonl"
+
+    assert zoo_decisions.main([str(tmp_path), "--jsonl", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "| slow | 32 | 4.00 | 4.00 | **1.000x** | 1, not timed | 1, not timed | dropped, 0.97x (1.05x) |"
+    assert lines[3] == ("| fast | 32 | 6.00 | 5.00 | **1.200x** | 4, 1.25x (1.30x) | 1, 0.95x (1.10x) | "
+                        "kept, 1.20x (1.20x) |")
+    assert len(lines) == 4  # the errored network has no row
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((d["config"], d["scope"]) for d in written) == [
+        ("slow_32_bf16_fused-4", "step"), ("timm-fast_32_bf16_fused-4", "graph"),
+        ("timm-fast_32_bf16_fused-4", "graph"), ("timm-fast_32_bf16_fused-4", "step")]
