@@ -4,9 +4,8 @@ Each forward and backward graph decides alone, at its first call
 (:mod:`concur.dag.decide`). On small networks a graph's gain measured alone
 need not survive in the step: ViT-S's forward measured 1.29x faster on
 streams alone, and the step with it ran 2% slower (experiments/RESULTS.md).
-So before
-``train_step(compile=True)`` captures a step whose graphs kept several
-streams, it times forward, loss and backward captured with every new plan
+So before ``train_step(compile=True)`` captures a step whose graphs kept
+several streams, it times forward, loss and backward captured with every new plan
 against the same with inductor's own call in each plan's place. Both come
 from the same compile, so nothing compiles twice. The comparison goes
 through the one decision point (same margin, one INFO line, the disk cache
