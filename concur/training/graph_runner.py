@@ -117,6 +117,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def failed(self) -> None:
+        self._held.clear()  # a failed capture keeps no timing graph (nor its pool) alive
         torch.cuda.empty_cache()
 
 
