@@ -150,7 +150,8 @@ class ConcurBackend:
         self.options = options
         self.graphs: list[CompiledGraphInfo] = []
         self._warned: set[str] = set()
-        # index in ``graphs`` -> the multi-stream program installed there (the wrapper route's, as decided)
+        # index in ``graphs`` -> the multi-stream program installed there (the wrapper route's), until
+        # train_step weighs it over the whole step (concur.training.step_streams)
         self._installed: dict[int, InstalledPlan] = {}
 
     def __repr__(self) -> str:
@@ -255,23 +256,28 @@ class ConcurBackend:
 
     # -- the decision over the whole step (concur.training.step_streams) -------------------------
 
-    def installed_plans(self, since: int = 0) -> list[InstalledPlan]:
-        """Return the multi-stream programs running now for ``graphs[since:]``, in compile order (wrapper route)."""
-        return [self._installed[i] for i in sorted(self._installed) if i >= since]
+    def installed_plans(self) -> list[InstalledPlan]:
+        """Return the multi-stream programs installed and not yet weighed over a whole step, in compile order."""
+        return [self._installed[i] for i in sorted(self._installed)]
 
-    def use_installed_plans(self, on: bool, since: int = 0) -> None:
-        """Run each installed multi-stream program of ``graphs[since:]`` (``on``), or inductor's own call instead."""
-        for plan in self.installed_plans(since):
+    def use_installed_plans(self, on: bool) -> None:
+        """Run each of :meth:`installed_plans` (``on``), or inductor's own call in its place."""
+        for plan in self.installed_plans():
             plan.use_streams(on)
 
-    def drop_installed_plans(self, reason: str, decided_by: str, since: int = 0) -> None:
-        """Put the installed plans' graphs of ``graphs[since:]`` back on inductor's call for good, saying why."""
-        for i in [i for i in sorted(self._installed) if i >= since]:
-            self._installed.pop(i).use_streams(False)
+    def keep_installed_plans(self) -> None:
+        """Leave :meth:`installed_plans` running for good: weighed over the step (or not to be), never again."""
+        self._installed.clear()
+
+    def drop_installed_plans(self, reason: str, decided_by: str) -> None:
+        """Put :meth:`installed_plans`' graphs back on inductor's call for good, saying why in ``graphs``."""
+        for i, plan in sorted(self._installed.items()):
+            plan.use_streams(False)
             g = self.graphs[i]  # inductor's call: no waits, no fresh reuses, its convolution backward calls joint
             self.graphs[i] = dataclasses.replace(g, num_streams=1, num_waits=0, one_stream_reason=reason,
                                                  reuses_fresh=0, convolutions_split=0, decided_by=decided_by,
                                                  weight_grad_ops=g.weight_grad_ops - g.convolutions_split)
+        self._installed.clear()
 
     def _measuring(self, example_inputs: Sequence[Any], is_backward: bool) -> dict[str, Any]:
         """Return how :func:`place_kernels` times and caches its decision here: nothing without a GPU.

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -146,10 +145,8 @@ class TrainStep:
         self._last_baked: tuple | None = None
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.eager_keys: set[tuple] = set()
-        # compile=True: the decisions over the whole step (concur.training.step_streams), and per stream
-        # count how many of its backend's graphs they have covered
+        # compile=True: the decisions over the whole step (concur.training.step_streams)
         self.step_decisions: list[decide.Decision] = []
-        self._step_decided: weakref.WeakKeyDictionary[ConcurBackend, int] = weakref.WeakKeyDictionary()
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict:
@@ -481,17 +478,15 @@ class TrainStep:
         return Captured(graph, static_inputs, static_targets, loss, streams, grads)
 
     def _decide_on_the_step(self, streams: int, forward_backward: Callable[[], Any], inputs: tuple) -> None:
-        """Keep the plans of the graphs compiled since the last such decision only if the step is faster with them."""
+        """Keep the plans installed since the last such decision only if the step is faster with them."""
         backend = self.backends.get(streams)
-        since = self._step_decided.get(backend, 0) if backend is not None else 0
-        if backend is None or since >= len(backend.graphs):
+        if backend is None:
             return
         device = next((t.device for t in tensors_in(inputs) if t.is_cuda), torch.device("cpu"))
         loss_name = getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__qualname__)
         key_parts = (loss_name, str(self.amp_dtype), self.accumulate, self.stream_priority, decide.MARGIN)
-        decision = decide_step_streams(backend, since, forward_backward, self._runner, device,
-                                       type(self.model).__name__, key_parts)
-        self._step_decided[backend] = len(backend.graphs)
+        decision = decide_step_streams(backend, forward_backward, self._runner, device, type(self.model).__name__,
+                                       key_parts)
         if decision is not None:
             self.step_decisions.append(decision)
 

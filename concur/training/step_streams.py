@@ -41,40 +41,44 @@ class ProgramTimer(Protocol):
                       device: torch.device) -> Sequence[tuple[float, float]]: ...
 
 
-def decide_step_streams(backend: ConcurBackend, since: int, forward_backward: Callable[[], Any],
-                        timer: ProgramTimer, device: torch.device, what: str, key_parts: tuple = (),
+def decide_step_streams(backend: ConcurBackend, forward_backward: Callable[[], Any], timer: ProgramTimer,
+                        device: torch.device, what: str, key_parts: tuple = (),
                         cache: decide.DecisionCache | None = None) -> decide.Decision | None:
-    """Time ``forward_backward`` with the plans ``backend`` installed from graph ``since`` on, and without them.
+    """Time ``forward_backward`` with the plans ``backend`` installed since the last such decision, and without them.
 
     Returns None where there was nothing to decide (no such plan, timing
-    switched off or impossible here, ``measure=False``); else the decision,
-    after dropping the plans (:meth:`ConcurBackend.drop_installed_plans`) if
-    it says one stream. The key is the plans' own keys (each holds its
+    switched off or impossible here, ``measure=False``); else the decision.
+    Either way the plans are settled for good: dropped
+    (:meth:`ConcurBackend.drop_installed_plans`) if the decision says one
+    stream, else kept. The key is the plans' own keys (each holds its
     graph's code, input shapes and dtypes, the device and torch) and
     ``key_parts`` (what the step adds outside the graphs).
     """
-    plans = backend.installed_plans(since)
+    plans = backend.installed_plans()
     if not plans or not backend.options.measure or not timer.can_time(device) or _several_ranks():
+        backend.keep_installed_plans()
         return None
     keys = [p.key for p in plans]
     key = decide.decision_key("step", *keys, *key_parts) if all(k is not None for k in keys) else None
 
     def run(on: bool) -> Callable[[], Any]:
         def program() -> Any:
-            backend.use_installed_plans(on, since)
+            backend.use_installed_plans(on)
             return forward_backward()
         return program
 
     try:
-        decision = decide.decide(f"the forward and backward of {what} ({len(plans)} graph"
-                                 f"{'s' if len(plans) != 1 else ''} on streams)", decide.together([p.prediction for p in plans]),
+        what = f"the forward and backward of {what} ({len(plans)} graph{'s' if len(plans) != 1 else ''} on streams)"
+        decision = decide.decide(what, decide.together([p.prediction for p in plans]),
                                  timer=lambda: timer.time_programs(run(False), run(True), device),
                                  cache=cache if cache is not None else JsonCache(), key=key, scope="step")
     finally:
-        backend.use_installed_plans(True, since)
-    if not decision.keep:
+        backend.use_installed_plans(True)
+    if decision.keep:
+        backend.keep_installed_plans()
+    else:
         backend.drop_installed_plans(f"the whole step was not faster on streams: {decision.reason}",
-                                     decided_by=f"step {decision.source}", since=since)
+                                     decided_by=f"step {decision.source}")
     return decision
 
 
