@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from experiments.sweep.configs import file_stem
+
 PEER, FUSED = "peer_compile_graph", "fused:4"
 
 
@@ -49,11 +51,6 @@ def _cell(decision: dict | None, step: bool = False) -> str:
     return f"{kept}, {measured:.2f}x ({decision['predicted_speedup']:.2f}x)"
 
 
-def configuration(model: str, batch: int, precision: str) -> str:
-    """The sweep's name of a fused configuration's cache folder (``timm:dpn68`` at b32 bf16: ``timm-dpn68_32_bf16_fused-4``)."""
-    return f"{model.replace(':', '-')}_{batch}_{precision}_{FUSED.replace(':', '-')}"
-
-
 def table(run: Path) -> list[str]:
     """Return the markdown table's lines for ``run``."""
     rows: dict[tuple, dict] = {}
@@ -67,9 +64,10 @@ def table(run: Path) -> list[str]:
         if PEER not in modes or FUSED not in modes:
             continue
         peer, fused = modes[PEER]["ms"], modes[FUSED]["ms"]
-        by_kind = {_kind(d): d for d in decisions.get(configuration(model, batch, precision), [])}
-        out.append((peer / fused, f"| {model.split(':')[-1]} | {batch} | {peer:.2f} | {fused:.2f} | **{peer / fused:.3f}x** | "
-                    f"{_cell(by_kind.get('forward'))} | {_cell(by_kind.get('backward'))} | "
+        # the sweep's cache folder of the configuration (experiments/sweep/measure.py)
+        by_kind = {_kind(d): d for d in decisions.get(file_stem(modes[FUSED]["key"]), [])}
+        out.append((peer / fused, f"| {model.split(':')[-1]} | {batch} | {peer:.2f} | {fused:.2f} | "
+                    f"**{peer / fused:.3f}x** | {_cell(by_kind.get('forward'))} | {_cell(by_kind.get('backward'))} | "
                     f"{_cell(by_kind.get('step'), step=True)} |"))
     head = ["| network | batch | recipe ms | fused ms | fused vs recipe | forward: streams, measured (predicted) | "
             "backward: streams, measured (predicted) | whole step: decision, measured (predicted) |",

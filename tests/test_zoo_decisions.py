@@ -15,11 +15,11 @@ def _decision(what, one, many, keep, predicted, scope=None):
 
 
 def test_the_table_puts_each_network_beside_its_decisions_slowest_first(tmp_path, capsys):
-    rows = [dict(model="timm:fast", batch=32, precision="bf16", mode="peer_compile_graph", status="ok", ms=6.0),
-            dict(model="timm:fast", batch=32, precision="bf16", mode="fused:4", status="ok", ms=5.0),
-            dict(model="slow", batch=32, precision="bf16", mode="peer_compile_graph", status="ok", ms=4.0),
-            dict(model="slow", batch=32, precision="bf16", mode="fused:4", status="ok", ms=4.0),
-            dict(model="broken", batch=32, precision="bf16", mode="fused:4", status="error")]
+    rows = [dict(model=m, batch=32, precision="bf16", mode=mode, status=status, ms=ms, key=f"{m}|32|bf16|{mode}")
+            for m, mode, status, ms in (("timm:fast", "peer_compile_graph", "ok", 6.0),
+                                        ("timm:fast", "fused:4", "ok", 5.0),
+                                        ("slow", "peer_compile_graph", "ok", 4.0), ("slow", "fused:4", "ok", 4.0),
+                                        ("broken", "fused:4", "error", None))]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     fast = JsonCache(tmp_path / "decisions" / "timm-fast_32_bf16_fused-4")
     fast.put("f", _decision("the forward graph of 10 ops (4 launches)", 1.0, 0.8, True, 1.3))
