@@ -24,6 +24,8 @@
 #   lean           in parallel processes: the lean captured step against PyTorch's recipe (tests/test_gpu_lean_step.py:
 #                  kernels and memory), the train_step habits, tests/test_gpu.py, the unfused weight-gradient split,
 #                  the fused envelope and sanitizer (GoogLeNet, ResNet-50); $OUT/lean.txt, $OUT/lean_logs.tgz
+#   mem28          experiments/memory_diff.py, recipe and concur (4 streams) side by side: GoogLeNet b8, Inception-v3
+#                  b32, ResNet-50 b8 compiled, GoogLeNet b8 and ResNet-50 b32 unfused; $OUT/mem28.txt, $OUT/mem28.jsonl
 #   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
@@ -143,6 +145,16 @@ for step in "$@"; do
              t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
              fused_checks ordered_reuse "googlenet resnet50" "googlenet resnet50"
              end_parallel lean " passed\| failed\|Error\|sanitized run finished\|deviation\|first update\|kernels per\|memory, concur" 5 900 ;;
+    mem28) begin_parallel mem28  # memory_diff.py per side, one process each (allocator statistics are per process)
+             for spec in "googlenet 8 --compile" "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8" \
+                         "resnet50 32"; do
+               set -- $spec; m=$1; b=$2; c=${3:-}; s=4
+               t "mem_${m}_b${b}${c:+_c}_recipe" python3 experiments/memory_diff.py --model $m --batch $b $c --who recipe \
+                 --json $OUT/mem28.jsonl
+               t "mem_${m}_b${b}${c:+_c}_concur" python3 experiments/memory_diff.py --model $m --batch $b $c --who concur \
+                 --streams $s --json $OUT/mem28.jsonl
+             done
+             end_parallel mem28 "_mb\|Error" 2 400 ;;
     gap) begin_parallel gap  # who holds the memory (in parallel: allocator stats are per process), then timing alone
              for who in recipe concur; do
                t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/gap_memory.jsonl

@@ -74,45 +74,61 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
                         rounds: int = ROUNDS, replays: int = REPLAYS, warmup: int = WARMUP, *, pool: Any = None,
                         capture_stream: torch.cuda.Stream | None = None,
                         keep: list | None = None) -> list[tuple[float, float]]:
-    """Return, per round, the ms of one replay of ``one_stream`` and of ``streams``, each captured in a CUDA graph.
+    """Return, per round, the ms of one replay of ``one_stream`` and of ``streams``: :func:`replay_rounds` of two."""
+    return replay_rounds((one_stream, streams), device, rounds, replays, warmup, pool=pool,  # type: ignore[return-value]
+                         capture_stream=capture_stream, keep=keep)
 
-    Both callables run their program on fixed inputs (a CUDA graph replays
-    the same addresses). Warm-up and capture run on one stream that is not
-    the device's default stream, as ``torch.cuda.graph`` requires: the
-    caller's own where it is a side stream already (``train_step`` sets up
-    on one), else a side stream kept per device. Each new stream would cost
-    a cuBLAS workspace (32 MiB on an H100) and cached blocks of its own, held
-    for the life of the process. The two graphs share one memory pool, which
-    is safe because they never run at once and nobody reads their outputs.
+
+def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, rounds: int = ROUNDS,
+                  replays: int = REPLAYS, warmup: int = WARMUP, *, pool: Any = None,
+                  capture_stream: torch.cuda.Stream | None = None,
+                  keep: list | None = None) -> list[tuple[float, ...]]:
+    """Return, per round, the ms of one replay of each program, each captured in a CUDA graph.
+
+    Every callable runs its program on fixed inputs (a CUDA graph replays
+    the same addresses). Round ``r`` times a block of replays of each, in
+    the order rotated by ``r`` (two programs: first-second, then
+    second-first), so a clock or temperature drift falls on all alike.
+    Warm-up and capture run on one stream that is not the device's default
+    stream, as ``torch.cuda.graph`` requires: the caller's own where it is a
+    side stream already (``train_step`` sets up on one), else a side stream
+    kept per device. Each new stream would cost a cuBLAS workspace (32 MiB
+    on an H100) and cached blocks of its own, held for the life of the
+    process. The graphs share one memory pool, which is safe because they
+    never run at once and nobody reads their outputs.
 
     A caller that captures graphs of its own may pass its ``pool`` and
-    ``capture_stream``, so that what timing held is reused, not held beside
-    (its warm-up still runs on the stream above); with ``keep``, the graphs
-    are appended there instead of freed: torch refuses a pool whose graphs
-    are all gone, so the caller holds one until its own capture.
+    ``capture_stream``, or make them the default inside a block
+    (:func:`captures_into`), so that what timing held is reused, not held
+    beside (its warm-up still runs on the stream above); with ``keep``, the
+    last graph is left in that list instead of freed: torch refuses a pool
+    whose graphs are all gone, so the caller holds one until its own capture.
     """
+    if pool is None and _CAPTURES_INTO:
+        pool, capture_stream, keep = _CAPTURES_INTO[-1]
     with torch.cuda.device(device), gpu_turn():
         caller = torch.cuda.current_stream()
         work = caller if caller != torch.cuda.default_stream() else _side_stream(device)
         work.wait_stream(caller)
         with torch.cuda.stream(work):
             for _ in range(warmup):
-                one_stream()
-                streams()
+                for program in programs:
+                    program()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         capture_stream = work if capture_stream is None else capture_stream
         graphs = []
-        for program in (one_stream, streams):
+        for program in programs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 program()
             graphs.append(graph)
         caller.wait_stream(work)
         caller.wait_stream(capture_stream)
-        times: list[tuple[float, float]] = []
+        n = len(graphs)
+        times: list[tuple[float, ...]] = []
         for r in range(rounds):
-            ms = {}
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            ms = [0.0] * n
+            for i in [(r + k) % n for k in range(n)]:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(replays):
@@ -120,11 +136,32 @@ def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any
                 end.record()
                 end.synchronize()
                 ms[i] = start.elapsed_time(end) / replays
-            times.append((ms[0], ms[1]))
+            times.append(tuple(ms))
         if keep is not None:
-            keep.extend(graphs)
+            keep[:] = graphs[-1:]
         del graphs
         return times
+
+
+# (pool, capture stream, keep) of the innermost captures_into block, for replay_rounds
+_CAPTURES_INTO: list[tuple[Any, torch.cuda.Stream, list]] = []
+
+
+@contextlib.contextmanager
+def captures_into(pool: Any, capture_stream: torch.cuda.Stream, keep: list) -> Iterator[None]:
+    """Inside the block, timing captures its graphs into ``pool`` on ``capture_stream`` and holds one in ``keep``.
+
+    ``train_step`` sets up inside one: the graphs compiled during its setup
+    time their programs at their first call (:mod:`concur.inductor.first_call`),
+    deep below any argument it could pass, and each timing in a pool of its
+    own would stay reserved beside the step's pool until ``empty_cache``.
+    In the step's pool the step's capture reuses it.
+    """
+    _CAPTURES_INTO.append((pool, capture_stream, keep))
+    try:
+        yield
+    finally:
+        _CAPTURES_INTO.pop()
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from concur.dag.annotate import tensors_in
-from concur.dag.measure import alternating_replays, can_time
+from concur.dag.measure import alternating_replays, can_time, captures_into
 
 # torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
 HIGHEST_PRIORITY = -100
@@ -76,8 +76,9 @@ class CudaGraphRunner:
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
+        """Run the block on :attr:`stream`; graphs timed in it (a compiled graph's first call) use the step's pool."""
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), captures_into(self._pool_handle(), self.stream, self._held):
             yield
         torch.cuda.current_stream().wait_stream(self.stream)
 
@@ -91,6 +92,9 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool_handle(), stream=self.stream):
             out = body()
         self._held.clear()
+        # What setup cached outside the pool (warm-up's activations on this stream, which nothing else
+        # allocates on) would stay reserved for the life of the process: give it back once per capture.
+        torch.cuda.empty_cache()
         return graph, out
 
     def can_time(self, device: torch.device) -> bool:
@@ -106,12 +110,9 @@ class CudaGraphRunner:
         as in the step. One timing graph is held until the next capture:
         torch refuses to capture into a pool whose graphs are all gone.
         """
-        kept: list = []
         with self.side_stream():
-            rounds = alternating_replays(one_stream, streams, device, warmup=1, pool=self._pool_handle(),
-                                         capture_stream=self.stream, keep=kept)
-        self._held = kept[:1]
-        return rounds
+            return alternating_replays(one_stream, streams, device, warmup=1, pool=self._pool_handle(),
+                                       capture_stream=self.stream, keep=self._held)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
