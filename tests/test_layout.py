@@ -155,7 +155,7 @@ COMPAT = "concur._torch_compat"
 PRIVATE_ALLOWED = {
     ("concur.training.captured_optim", "_foreach_*"): "torch's multi-tensor ops (aten ops bound as torch._foreach_*), "
                                                        "what torch.optim's own foreach steps call",
-    ("concur.training.step", "_foreach_zero_"): "torch's multi-tensor zero, as torch.optim's zero_grad calls it",
+    ("concur.training.step_body", "_foreach_zero_"): "torch's multi-tensor zero, as torch.optim's zero_grad calls it",
     ("concur.fx.capture", "_getframe"): "Python's sys._getframe, not torch's: the first caller outside concur, "
                                         "for a warning's stacklevel",
     ("concur.fx.capture", "_leaf_modules"): "timm's, not torch's: its fx registry where timm has no "

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import concur
+import concur.training.capture as capture_mod
 import concur.training.captured_optim as captured_optim
 import concur.training.step as train_mod
 from concur.training.snapshot import Snapshot
@@ -258,7 +259,7 @@ def test_planted_stale_hyperparameters_are_caught(graphs, monkeypatch):
 
 def test_emulation_bakes_floats_like_a_cuda_graph(graphs, monkeypatch):
     """Planted fault: the captured update is optimizer.step() with float lr (today's graph): schedules are lost."""
-    monkeypatch.setattr(train_mod.TrainStep, "_captured_optimizer_step", lambda self, grads: self.optimizer.step)
+    monkeypatch.setattr(capture_mod, "captured_update", lambda step, grads: step.optimizer.step)
     monkeypatch.setattr(train_mod.TrainStep, "_hyperparameter_key", lambda self: ())
     losses, expected, model, ref, _ = run_both(SGD_M, make_batches(6), make_sched=SCHEDULERS["step"])
     with pytest.raises(AssertionError):

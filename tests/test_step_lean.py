@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import concur
+import concur.training.capture as capture_mod
 import concur.training.step as train_mod
 from concur.training import snapshot as snapshot_mod
 from tests.test_step_habits import graphs, loss_fn, make_batches, make_model  # noqa: F401 (graphs: a fixture)
@@ -118,7 +119,7 @@ def test_setup_copies_the_model_only_when_warm_up_changes_it(graphs, monkeypatch
         taken.append(real(*args, **kw))
         return taken[-1]
 
-    monkeypatch.setattr(train_mod, "Snapshot", spy)
+    monkeypatch.setattr(capture_mod, "Snapshot", spy)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = make_batches(2)

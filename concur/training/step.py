@@ -6,38 +6,35 @@ launches cost nothing at replay, so the concurrency of the plan shows. Hence
 the whole step is captured once per input shape and replayed, and it should
 cost no more than PyTorch's own whole-step capture (``experiments/peers.py``):
 
+- The body. Eagerly, in warm-up and under capture a call runs the plain
+  loop's body, in the order of PyTorch's recipes
+  (:mod:`concur.training.step_body`).
 - Gradients. With ``accumulate=1`` backward writes fresh gradients into the
-  graph's memory, as in PyTorch's recipe (``zero_grad(set_to_none=True)``
-  before capture): no zeroing and no add per parameter. After each call
-  ``p.grad`` shows the tensors the replayed graph wrote. With accumulation
-  the gradients live in buffers the step owns, allocated outside the graphs,
-  so the graphs of every cycle position and input shape add into the same
-  tensors.
+  graph's memory, as in PyTorch's recipe; with accumulation into buffers the
+  step owns. After each call ``p.grad`` shows the tensors the replayed graph
+  wrote (:mod:`concur.training.gradients`).
 - The update. SGD, Adam and AdamW are captured as the step's own foreach
   update reading hyperparameters from device tensors written before each
   replay (:mod:`concur.training.captured_optim`), so every ``lr_scheduler``
   works on the user's plain floats. Other optimizers, and fused ones stepped
   by a GradScaler, keep their own ``step()``; their graphs are keyed on the
   hyperparameter values, so a new value is a new capture (warned once).
-- Setup. Warm-up runs forward and backward on one side stream; with the
-  step's own update it runs no optimizer step, so only buffers (BatchNorm
-  statistics) and the RNG state are saved and put back
-  (:mod:`concur.training.snapshot`): the first replay is exactly the user's
-  first step. The graphs of a step share one memory pool
-  (:mod:`concur.training.graph_runner`).
+- Setup. Warm-up runs on one side stream, and what it changes is put back,
+  so the first replay is exactly the user's first step; a failed capture
+  falls back to one stream and then to eager execution, with one warning
+  each (:mod:`concur.training.capture`). The graphs of a step share one
+  memory pool (:mod:`concur.training.graph_runner`).
 - Streams. With ``compile=True`` each graph decides its streams at its first
   call; where a GPU can time it, the step then times forward and backward
   captured with those plans against inductor's own calls and keeps the plans
   only if the step is faster (:mod:`concur.training.step_streams`).
 - Everything else the trace read from Python is part of the graph's key
-  (:mod:`concur.training.fingerprint`). A failed capture falls back to one
-  stream and then to eager execution, with one warning each.
+  (:mod:`concur.training.fingerprint`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable
@@ -56,12 +53,12 @@ from concur.training.arguments import check_arguments, check_optimizer, check_st
 from concur.training.auto import COMPILED_MAX_STREAMS as _COMPILED_MAX_STREAMS  # noqa: F401 (tests read it here)
 from concur.training.auto import as_tuple as _as_tuple, auto_configuration
 from concur.training.batch_checks import BatchChecks
+from concur.training.capture import capture_with_fallback
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
+from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
-from concur.training.snapshot import Snapshot
+from concur.training.step_body import BeforeStep, StepBody
 from concur.training.step_streams import decide_step_streams
-
-BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
 # train_step's arguments by name; also the order in which steps pickled before 2026-11-24 saved them
 _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
@@ -107,6 +104,7 @@ class TrainStep:
         self.max_graphs, self.warmup = max_graphs, warmup
         self.accumulate, self.before_step = accumulate, before_step
         self.micro = 0  # position of the next call in the accumulation cycle
+        self._body = StepBody(model, loss_fn, optimizer, amp_dtype, self.grad_scaler, accumulate, before_step)
         self._example = _as_tuple(inputs)  # plans for other stream counts are built from it
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
@@ -140,8 +138,7 @@ class TrainStep:
                 make_capturable(optimizer)
             loads = self._fingerprint.loads
             optimizer.register_load_state_dict_post_hook(lambda opt: loads.__setitem__(0, loads[0] + 1))
-        self._grad_buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self._bound: Captured | None = None
+        self._gradients = StepGradients(optimizer, accumulate)
         self._last_baked: tuple | None = None
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.eager_keys: set[tuple] = set()
@@ -200,78 +197,6 @@ class TrainStep:
             self._warned.add(message)
             warnings.warn(message, stacklevel=3)
 
-    # --- the work of one call, shared by the eager path, warm-up and capture -------------------
-
-    def _loss(self, module: nn.Module, inputs: tuple, targets: Any) -> torch.Tensor:
-        """Forward and loss, under autocast when ``amp_dtype`` is set (backward runs outside it)."""
-        if self.amp_dtype is None:
-            return self.loss_fn(module(*inputs), targets)
-        device = "cuda" if any(t.is_cuda for t in tensors_in(inputs)) else "cpu"
-        # cache_enabled=False: autocast's weight-cast cache must not outlive a CUDA-graph capture
-        with torch.autocast(device, dtype=self.amp_dtype, cache_enabled=False):
-            return self.loss_fn(module(*inputs), targets)
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        """``(loss / k).backward()``, through the loss scaler when there is one."""
-        if self.accumulate > 1:
-            loss = loss / self.accumulate
-        if self.grad_scaler is None:
-            loss.backward()
-        else:
-            self.grad_scaler.scale(loss).backward()
-
-    def _update(self, optimizer_step: Callable[[], Any]) -> None:
-        """``before_step(model, optimizer)`` then the optimizer step, as PyTorch's (AMP) recipe orders them."""
-        if self.grad_scaler is None:
-            if self.before_step is not None:
-                self.before_step(self.model, self.optimizer)
-            optimizer_step()
-            return
-        if self.before_step is not None:  # clipping needs true gradients: unscale first, as the AMP recipe does
-            self.grad_scaler.unscale_(self.optimizer)
-            self.before_step(self.model, self.optimizer)
-        self.grad_scaler.step(self.optimizer)
-        self.grad_scaler.update()
-
-    def _eager(self, inputs: tuple, targets: Any, module: nn.Module, phase: tuple[bool, bool]) -> torch.Tensor:
-        """One call without a graph: zero_grad (first of a cycle), forward, backward, update (last of a cycle)."""
-        first, last = phase
-        if first:
-            self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(module, inputs, targets)
-        self._backward(loss)
-        if last:
-            self._update(self.optimizer.step)
-        return loss.detach()
-
-    def _optimized(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def _micro_step(self, module: nn.Module, inputs: tuple, targets: Any, phase: tuple[bool, bool],
-                    optimized: list[torch.Tensor], owned: dict[torch.Tensor, torch.Tensor] | None,
-                    optimizer_step: Callable[[], Any]) -> tuple[torch.Tensor, dict]:
-        """The captured body: the eager call, returning the loss and the gradient tensors the graph writes.
-
-        Without ``owned`` buffers the optimizer's gradients are set to None
-        first, so backward writes fresh ones (under capture: in the graph's
-        pool), as ``zero_grad(set_to_none=True)`` does in PyTorch's recipe.
-        With them (accumulation), a cycle's first call zeroes them in place.
-        """
-        first, last = phase
-        if owned is None:
-            for p in optimized:
-                p.grad = None
-        elif first and owned:
-            torch._foreach_zero_([owned[p] for p in optimized if p in owned])
-        loss = self._loss(module, inputs, targets)
-        self._backward(loss)
-        if last:
-            self._update(optimizer_step)
-        grads = owned if owned is not None else {p: p.grad for p in optimized if p.grad is not None}
-        # Keep only the value: a loss with its autograd graph would keep the AccumulateGrad
-        # nodes alive, bound to this capture's stream, and a later capture would reuse them.
-        return loss.detach(), dict(grads)
-
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         inputs = _as_tuple(inputs)
         self._check_tree()
@@ -280,7 +205,7 @@ class TrainStep:
             if self.cuda_graph:
                 loss = self._graph_call(inputs, targets, phase)
             else:
-                loss = self._eager(inputs, targets, self.module, phase)
+                loss = self._body.eager(inputs, targets, self.module, phase)
         except Exception as exc:
             error = self._batches.explain(exc, inputs, targets)  # None: not the batch's fault
             if error is None:
@@ -317,20 +242,20 @@ class TrainStep:
         baked = self._hyperparameter_key() if self._hyper is None else None
         if captured is None and key not in self.eager_keys:
             self._warn_if_values_are_baked(baked)
-            captured = self._capture_with_fallback(inputs, targets, key, phase)
+            captured = capture_with_fallback(self, inputs, targets, key, phase)
         self._last_baked = baked
         if captured is None:
-            return self._eager(inputs, targets, self._module(1), phase)
-        if captured is not self._bound:
+            return self._body.eager(inputs, targets, self._module(1), phase)
+        if captured is not self._gradients.bound:
             self.graphs.move_to_end(key)
         if self._hyper is not None:
             self._hyper.refresh()
         if not phase[0]:
-            self._gradients_into(captured)
+            self._gradients.carry_into(captured)
         for static, new in zip(captured.static_batch, batch):
             static.copy_(new, non_blocking=True)
         captured.graph.replay()
-        self._bind_gradients(captured)
+        self._gradients.bind(captured)
         # A clone: the static loss is overwritten by the next replay, and users keep losses.
         return captured.static_loss.detach().clone()
 
@@ -344,139 +269,6 @@ class TrainStep:
                             "schedule that changes every step use SGD, Adam or AdamW without a GradScaler, whose "
                             "hyperparameters the graph reads from device tensors, or cuda_graph=False.")
 
-    def _gradients_into(self, captured: Captured) -> None:
-        """Carry gradients accumulated outside this graph (eager calls, another cycle position) into its buffers.
-
-        A ``zero_grad()`` between micro-batches leaves None: the graph then
-        starts from zeros, as the plain loop would.
-        """
-        with torch.no_grad():
-            for p, buf in captured.grads.items():
-                g = p.grad
-                if g is not buf:
-                    buf.copy_(g) if g is not None else buf.zero_()
-
-    def _bind_gradients(self, captured: Captured) -> None:
-        """Point each ``p.grad`` at the tensor this graph wrote, as the plain loop's ``.grad``.
-
-        Parameters of the optimizer that this graph's backward did not reach
-        show None, as after the plain loop's ``zero_grad(set_to_none=True)``.
-        """
-        first = next(iter(captured.grads.items()), None)
-        if self._bound is captured and (first is None or first[0].grad is first[1]):
-            return
-        if self.accumulate == 1:
-            for p in self._optimized():
-                if p not in captured.grads:
-                    p.grad = None
-        for p, buf in captured.grads.items():
-            p.grad = buf
-        self._bound = captured
-
-    def _graph_limit(self) -> int:
-        return self.max_graphs * min(self.accumulate, 3)  # first, middle and last position of a cycle
-
-    def _capture_with_fallback(self, inputs: tuple, targets: Any, key: tuple,
-                               phase: tuple[bool, bool]) -> Captured | None:
-        self._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
-        attempts = [s for s in dict.fromkeys([self.requested_streams, 1]) if s not in self.failed_streams]
-        for streams in attempts:
-            try:
-                captured = self._capture(inputs, targets, streams, phase)
-            except Exception as exc:  # OOM or an op that cannot be captured
-                self._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                                + ("falling back to 1 stream, for this and later input shapes." if streams > 1
-                                   else "falling back to eager execution."))
-                failed = True
-            else:
-                failed = False
-            if failed:  # outside the except block: its traceback no longer holds the failed capture's tensors
-                if streams > 1:  # free the module (and the compiled code) that cannot be captured
-                    self.failed_streams.add(streams)
-                    self.modules.pop(streams, None)
-                    self.backends.pop(streams, None)
-                self._runner.failed()
-                continue
-            if len(self.graphs) >= self._graph_limit():
-                self.graphs.popitem(last=False)
-                self._warn_once(f"concur.train_step: more than {self._graph_limit()} captured graphs (input "
-                                "shapes, cycle positions, train/eval or frozen states); evicting the least "
-                                "recently used.")
-            self.graphs[key] = captured
-            return captured
-        self.eager_keys.add(key)
-        return None
-
-    def _gradient_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        buf = self._grad_buffers.get(p)
-        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-            buf = self._grad_buffers[p] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return buf
-
-    def _backward_from_none(self, module: nn.Module, inputs: tuple, targets: Any,
-                            optimized: set[torch.Tensor]) -> list[torch.Tensor]:
-        """One warm-up forward and backward from no gradients of ``optimized``; returns the parameters it reached
-        (in the model's order), their gradients freed."""
-        for p in optimized:
-            p.grad = None
-        self._backward(self._loss(module, inputs, targets))
-        reached = [p for p in self.model.parameters() if p.grad is not None and p in optimized]
-        for p in reached:
-            p.grad = None
-        return reached
-
-    def _capture(self, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool]) -> Captured:
-        """Warm up on the side stream, capture, and put back what warm-up changed.
-
-        The lean case (``accumulate=1``, the step's own update, no
-        ``before_step``) warms up forward and backward only, and the update on
-        one-element stand-ins, so it saves only buffers and RNG state.
-        Otherwise warm-up runs whole steps and the snapshot holds everything.
-        """
-        module = self._module(streams)
-        runner = self._runner
-        fresh = self.accumulate == 1
-        lean = fresh and self._hyper is not None and self.before_step is None
-        optimized = set(self._optimized())
-        # parameters outside the optimizer keep accumulating, as in the plain loop: theirs are saved
-        others = [p for p in self.model.parameters() if p not in optimized and p.grad is not None]
-        snapshot = Snapshot(self.model, self.optimizer, weights=not lean, grad_scaler=self.grad_scaler,
-                            grads_of=others)
-        clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        static_inputs = tuple(clone(x) for x in inputs)
-        static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
-            type(targets)(clone(t) for t in targets)
-        try:
-            with runner.side_stream():
-                reached = self._backward_from_none(module, static_inputs, static_targets, optimized)
-                if self.compile and streams > 1:  # every graph of this shape has decided by now
-                    self._decide_on_the_step(streams, lambda: self._backward_from_none(
-                        module, static_inputs, static_targets, optimized), static_inputs)
-                owned = None
-                if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
-                    owned = {p: self._gradient_buffer(p) for p in reached}
-                    for p, buf in owned.items():
-                        p.grad = buf
-                update = self._captured_optimizer_step(reached)
-                body = functools.partial(self._micro_step, module, static_inputs, static_targets, phase,
-                                         self._optimized(), owned, update)
-                if lean:
-                    for _ in range(self.warmup - 1):
-                        self._backward_from_none(module, static_inputs, static_targets, optimized)
-                    getattr(update, "warm_up", lambda: None)()
-                else:
-                    for _ in range(max(self.warmup - 1, 1)):  # at least one step: optimizers make state lazily
-                        body()
-            if fresh:
-                for p in optimized:  # free warm-up's gradients before capture, for the graph's own
-                    p.grad = None
-            graph, (loss, grads) = runner.capture(body, self)
-        finally:
-            snapshot.restore()
-            runner.synchronize()
-        return Captured(graph, static_inputs, static_targets, loss, streams, grads)
-
     def _decide_on_the_step(self, streams: int, forward_backward: Callable[[], Any], inputs: tuple) -> None:
         """Keep the plans installed since the last such decision only if the step is faster with them."""
         backend = self.backends.get(streams)
@@ -489,13 +281,6 @@ class TrainStep:
                                        key_parts)
         if decision is not None:
             self.step_decisions.append(decision)
-
-    def _captured_optimizer_step(self, reached: list[torch.Tensor]) -> Callable[[], Any]:
-        """The update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
-        if self._hyper is None:
-            return self.optimizer.step
-        compat.note_optimizer_stepped(self.optimizer)
-        return captured_optim.build_update(self.optimizer, self._hyper, reached)
 
 
 def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer, example_batch: tuple,

@@ -1,0 +1,145 @@
+"""Capturing one graph of a training step: warm-up, capture, and what a failed capture falls back to.
+
+A graph must capture exactly the user's next step, so whatever warm-up
+changes is put back (:mod:`concur.training.snapshot`). Warm-up runs forward
+and backward on the runner's side stream (:mod:`concur.training.graph_runner`);
+with the step's own update (:mod:`concur.training.captured_optim`), no
+accumulation and no ``before_step`` it runs no optimizer step, only the
+update on one-element stand-ins, so only buffers (BatchNorm statistics) and
+the RNG state are saved and put back, not a copy of the model: the first
+replay is exactly the user's first step. Otherwise warm-up runs whole steps
+(optimizers make their state lazily) and the snapshot holds everything.
+
+A capture that fails (out of memory, an op that cannot be captured) falls
+back to one stream, for this and later input shapes, and then to eager
+execution, with one warning each; the module that failed is freed. The step
+keeps at most ``max_graphs`` graphs per position of the accumulation cycle
+and evicts the least recently used.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from concur import _torch_compat as compat
+from concur.training import captured_optim
+from concur.training.gradients import optimized_parameters
+from concur.training.graph_runner import Captured
+from concur.training.snapshot import Snapshot
+
+# Each function takes the step, a TrainStep: typed Any, since concur.training.step imports this module.
+
+
+def graph_limit(step: Any) -> int:
+    """Return how many graphs ``step`` keeps: ``max_graphs`` per position of the accumulation cycle."""
+    return step.max_graphs * min(step.accumulate, 3)  # first, middle and last position of a cycle
+
+
+def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
+                          phase: tuple[bool, bool]) -> Captured | None:
+    """Return the graph of ``step`` for ``key``, kept in its graphs; None where every stream count failed, and
+    the key runs eagerly from now on."""
+    step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
+    attempts = [s for s in dict.fromkeys([step.requested_streams, 1]) if s not in step.failed_streams]
+    for streams in attempts:
+        try:
+            captured = capture(step, inputs, targets, streams, phase)
+        except Exception as exc:  # OOM or an op that cannot be captured
+            step._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                            + ("falling back to 1 stream, for this and later input shapes." if streams > 1
+                               else "falling back to eager execution."))
+            failed = True
+        else:
+            failed = False
+        if failed:  # outside the except block: its traceback no longer holds the failed capture's tensors
+            if streams > 1:  # free the module (and the compiled code) that cannot be captured
+                step.failed_streams.add(streams)
+                step.modules.pop(streams, None)
+                step.backends.pop(streams, None)
+            step._runner.failed()
+            continue
+        if len(step.graphs) >= graph_limit(step):
+            step.graphs.popitem(last=False)
+            step._warn_once(f"concur.train_step: more than {graph_limit(step)} captured graphs (input "
+                            "shapes, cycle positions, train/eval or frozen states); evicting the least "
+                            "recently used.")
+        step.graphs[key] = captured
+        return captured
+    step.eager_keys.add(key)
+    return None
+
+
+def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any,
+                       optimized: set[torch.Tensor]) -> list[torch.Tensor]:
+    """Return the parameters of ``optimized`` that one warm-up forward and backward from no gradients reached
+    (in the model's order), their gradients freed."""
+    for p in optimized:
+        p.grad = None
+    step._body.backward(step._body.loss(module, inputs, targets))
+    reached = [p for p in step.model.parameters() if p.grad is not None and p in optimized]
+    for p in reached:
+        p.grad = None
+    return reached
+
+
+def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool]) -> Captured:
+    """Warm up on the side stream, capture, and put back what warm-up changed; return the captured graph.
+
+    The lean case (``accumulate=1``, the step's own update, no
+    ``before_step``) warms up forward and backward only, and the update on
+    one-element stand-ins, so it saves only buffers and RNG state.
+    Otherwise warm-up runs whole steps and the snapshot holds everything.
+    """
+    module = step._module(streams)
+    runner = step._runner
+    fresh = step.accumulate == 1
+    lean = fresh and step._hyper is not None and step.before_step is None
+    optimized = set(optimized_parameters(step.optimizer))
+    # parameters outside the optimizer keep accumulating, as in the plain loop: theirs are saved
+    others = [p for p in step.model.parameters() if p not in optimized and p.grad is not None]
+    snapshot = Snapshot(step.model, step.optimizer, weights=not lean, grad_scaler=step.grad_scaler,
+                        grads_of=others)
+    clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    static_inputs = tuple(clone(x) for x in inputs)
+    static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
+        type(targets)(clone(t) for t in targets)
+    try:
+        with runner.side_stream():
+            reached = backward_from_none(step, module, static_inputs, static_targets, optimized)
+            if step.compile and streams > 1:  # every graph of this shape has decided by now
+                step._decide_on_the_step(streams, lambda: backward_from_none(
+                    step, module, static_inputs, static_targets, optimized), static_inputs)
+            owned = None
+            if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
+                owned = step._gradients.own(reached)
+            update = captured_update(step, reached)
+            body = functools.partial(step._body.micro_step, module, static_inputs, static_targets, phase,
+                                     optimized_parameters(step.optimizer), owned, update)
+            if lean:
+                for _ in range(step.warmup - 1):
+                    backward_from_none(step, module, static_inputs, static_targets, optimized)
+                getattr(update, "warm_up", lambda: None)()
+            else:
+                for _ in range(max(step.warmup - 1, 1)):  # at least one step: optimizers make state lazily
+                    body()
+        if fresh:
+            for p in optimized:  # free warm-up's gradients before capture, for the graph's own
+                p.grad = None
+        graph, (loss, grads) = runner.capture(body, step)
+    finally:
+        snapshot.restore()
+        runner.synchronize()
+    return Captured(graph, static_inputs, static_targets, loss, streams, grads)
+
+
+def captured_update(step: Any, reached: list[torch.Tensor]) -> Callable[[], Any]:
+    """Return the update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
+    if step._hyper is None:
+        return step.optimizer.step
+    compat.note_optimizer_stepped(step.optimizer)
+    return captured_optim.build_update(step.optimizer, step._hyper, reached)
