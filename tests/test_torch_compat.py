@@ -247,3 +247,46 @@ def test_only_a_strided_4d_tensor_suggests_channels_last():
     assert not compat.suggests_channels_last(torch.empty(2, 8, 3, 3, 3).to(memory_format=torch.channels_last_3d))
     assert not compat.suggests_channels_last(torch.empty(8, 3, 3))
     assert not compat.suggests_channels_last(torch.eye(4).reshape(2, 2, 2, 2).to_sparse())
+
+
+def _fake_allocator(monkeypatch, fails: bool = False) -> list[str]:
+    calls: list[str] = []
+
+    def setter(conf: str) -> None:
+        if fails:
+            raise RuntimeError(f"Unrecognized key {conf}")
+        calls.append(conf)
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", setter)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    return calls
+
+
+def test_captures_reuse_cross_stream_blocks_inside_the_block_only(monkeypatch):
+    calls = _fake_allocator(monkeypatch)
+    with compat.capture_reuses_cross_stream_blocks():
+        assert calls == ["graph_capture_record_stream_reuse:True"]
+    assert calls == ["graph_capture_record_stream_reuse:True", "graph_capture_record_stream_reuse:False"]
+    calls.clear()
+    with pytest.raises(KeyError):  # switched off again when the capture fails
+        with compat.capture_reuses_cross_stream_blocks():
+            raise KeyError
+    assert calls[-1] == "graph_capture_record_stream_reuse:False"
+
+
+def test_cross_stream_reuse_leaves_the_users_setting_and_unknown_allocators_alone(monkeypatch):
+    calls = _fake_allocator(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,graph_capture_record_stream_reuse:False")
+    with compat.capture_reuses_cross_stream_blocks():
+        pass
+    assert calls == []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with compat.capture_reuses_cross_stream_blocks():
+        pass
+    assert calls == []
+    _fake_allocator(monkeypatch, fails=True)  # a torch whose allocator does not know the option: nothing changes
+    with compat.capture_reuses_cross_stream_blocks():
+        pass

@@ -119,7 +119,8 @@ def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, r
         graphs = []
         for program in programs:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+            with compat.capture_reuses_cross_stream_blocks(), \
+                    torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 program()
             graphs.append(graph)
         caller.wait_stream(work)

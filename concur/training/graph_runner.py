@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from concur import _torch_compat as compat
 from concur.dag.annotate import tensors_in
 from concur.dag.measure import alternating_replays, can_time, captures_into
 
@@ -89,7 +90,8 @@ class CudaGraphRunner:
 
     def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool_handle(), stream=self.stream):
+        with compat.capture_reuses_cross_stream_blocks(), \
+                torch.cuda.graph(graph, pool=self._pool_handle(), stream=self.stream):
             out = body()
         self._held.clear()
         # What setup cached outside the pool (warm-up's activations on this stream, which nothing else
