@@ -177,15 +177,17 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
     A multi-stream plan protects each buffer a side stream reads with
     ``record_stream``. During a capture the allocator cannot query events, so
     by default every such buffer freed in it stays held until the capture
-    ends: a captured multi-stream step then reserves nearly the sum of its
-    buffers, where one stream reuses them (Inception-v3 b32, fused: 3.4 GB
-    against the recipe's 2.2 GB; experiments/RESULTS.md). With the option on,
-    the allocator reuses a block once the captured graph orders its readers
-    before the new writer. It is switched on for the block only, and left
+    ends, where one stream would reuse it. With the option on, the allocator
+    reuses a block once the captured graph orders its readers before the new
+    writer: on the H100 a fused step then held 3066 MB instead of 3408
+    (Inception-v3 b32; the recipe 2242) and 466 instead of 534 (GoogLeNet b8;
+    the recipe 414; experiments/RESULTS.md). It is switched on for the block only, and left
     alone where the user's allocator configuration names it, under another
     allocator backend, or where this torch does not know it (nothing changes).
     """
-    setter = getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
+    # torch >= 2.10 names the setter per accelerator, and warns on the older CUDA name
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
     if setter is None or torch_version() < (2, 9) or _alloc_conf_names(_RECORD_STREAM_REUSE) \
             or torch.cuda.get_allocator_backend() != "native":
         yield

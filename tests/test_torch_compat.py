@@ -258,6 +258,7 @@ def _fake_allocator(monkeypatch, fails: bool = False) -> list[str]:
         calls.append(conf)
 
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", setter)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
