@@ -116,8 +116,7 @@ def test_setup_holds_memory_on_one_stream_of_its_own():
 def test_fused_step_memory_beside_the_recipe(tmp_path):
     """Fused GoogLeNet b8 bf16 on 4 streams (first calls timed, the step's decision timed): allocated memory within
     10% of torch.compile + whole-step graph, in setup and once set up, and reserved within 15% once set up (1.10-1.13x
-    measured; 1.29x before captures reused the memory of buffers side streams read, 1.20x before setup timed in
-    the step's pool)."""
+    measured; 1.29x while captures held every buffer a side stream read until they ended)."""
     options = ("--model", "googlenet", "--compile")
     theirs = _memory_in_a_process("recipe", tmp_path, *options)
     mine = _memory_in_a_process("concur", tmp_path, *options, "--streams", "4")
