@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     cache = sub.add_parser("cache", parents=[debug],
-                           help="list or clear what later runs reuse: the tuner's choices (streams='auto') and "
+                           help="list or clear what later runs reuse: the tuner's choices (concur.observe.tuner) and "
                                 "the measured stream decisions")
     cache.add_argument("action", choices=["clear", "list"], help="what to do with the cache; required")
     cache.add_argument("--dir", default=None,

@@ -36,6 +36,11 @@
 #   step29         train_step(compile=True) deciding its streams on the whole captured step (tests/test_gpu_step_streams.py),
 #                  the habits, lean-step and measure tests, the fused envelope (GoogLeNet, ResNeSt-14d) and sanitizer
 #                  (GoogLeNet), side by side; $OUT/step29.txt, $OUT/step29_logs.tgz
+#   auto29         streams="auto" (tests/test_gpu.py -k auto_streams) beside the step, habits, lean-step and measure
+#                  tests, side by side; then a sweep of fused:4 and fused:auto against compile + graph (AUTO29_MODELS,
+#                  b32 bf16); $OUT/auto29.txt, $OUT/auto29_logs.tgz, $OUT/auto29_sweep.log, $OUT/auto29_sweep.tgz
+#   shared         tests/test_gpu.py, the habits, lean-step and step-decision tests, the fused envelope (GoogLeNet) and
+#                  sanitizer (GoogLeNet, Inception-v3), side by side; $OUT/shared.txt, $OUT/shared_logs.tgz
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -200,6 +205,28 @@ for step in "$@"; do
              t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
              fused_checks ordered_reuse "googlenet resnest14d" "googlenet"
              end_parallel step29 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600 ;;
+    auto29) begin_parallel auto29  # streams="auto" as one decision among 2-4 streams and one, then the step split's tests
+             t auto python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k auto_streams
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
+             end_parallel auto29 " passed\| failed\|Error\|auto with compile\|the step:" 4 600
+             # fused on 4 streams and on "auto" against compile + graph, timed in alternating rounds under one lock
+             timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 30 )) python3 -m experiments.sweep --out /tmp/auto29 \
+               --resume --precisions bf16 --batches 32 --repeats 40 --rounds 6 --compile-jobs 8 \
+               --models ${AUTO29_MODELS:-googlenet timm:skresnet18 timm:dla34 timm:vit_small_patch16_224} \
+               --modes peer_compile_graph fused:4 fused:auto --together peer_compile_graph+fused:4+fused:auto \
+               > "$OUT/auto29_sweep.log" 2>&1
+             python3 -m experiments.sweep --out /tmp/auto29 --report-only >> "$OUT/auto29_sweep.log" 2>&1
+             tar czf "$OUT/auto29_sweep.tgz" --exclude=traces --exclude=util -C /tmp auto29 ;;
+    shared) begin_parallel shared  # plans share their device's side streams: correctness, then memory (mem28)
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             fused_checks ordered_reuse "googlenet" "googlenet inception_v3"
+             end_parallel shared " passed\| failed\|Error\|sanitized run finished\|deviation\|memory, " 4 600 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

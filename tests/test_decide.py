@@ -154,7 +154,7 @@ def test_each_decision_logs_one_info_line_with_its_times(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "concur"]
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "concur")
     assert len(lines) == 3, lines
-    assert "the forward graph runs on one stream:" in lines[0] and "measured 1.100 ms against 1.000 ms" in lines[0]
+    assert "the forward graph runs on one stream:" in lines[0] and "measured 1.100 ms on 3 streams against 1.000 ms" in lines[0]
     assert "130.0 us on one stream against 100.0 us" in lines[0]
     assert "the backward graph runs on 3 streams:" in lines[1] and "1.25x" in lines[1]
     assert "a stamped graph runs on one stream:" in lines[2] and "0.90x" in lines[2]
@@ -178,3 +178,48 @@ def test_predict_matches_the_shared_device_simulation():
     p = decide.predict(dag, schedule)
     assert p.num_streams == 2 and p.serial_us == 22.0
     assert p.ideal_speedup > 1.0 > p.speedup  # alone the branches overlap; sharing the device they cannot
+
+
+def _candidates() -> list[decide.Prediction]:
+    # 2, 3 and 4 streams of one graph: 2 predicted 1.25x, 3 and 4 1.30x
+    return [decide.Prediction(2, 130.0, 90.0, 104.0), decide.Prediction(3, 130.0, 80.0, 100.0),
+            decide.Prediction(4, 130.0, 80.0, 100.0)]
+
+
+def test_choose_times_every_candidate_and_keeps_the_fastest():
+    rounds = [(1.0, 0.9, 0.7, 0.8)] * 5  # one stream, then 2, 3, 4 streams
+    cache: dict = {}
+    store = type("Store", (), {"get": lambda self, k: cache.get(k), "put": lambda self, k, v: cache.update({k: v})})()
+    d = decide.choose("g", _candidates(), timer=lambda: rounds, cache=store, key="k")
+    assert d.keep and d.candidate == 1 and d.num_streams == 3 and d.source == "measurement", d
+    assert d.measured.streams_ms == 0.7 and d.measured.candidates_ms == (0.9, 0.7, 0.8)
+    again = decide.choose("g", _candidates(), timer=lambda: pytest.fail("timed again"), cache=store, key="k")
+    assert again.keep and again.candidate == 1 and again.source == "cache", again
+
+
+def test_choose_prefers_fewer_streams_within_the_margin_and_one_stream_when_none_is_faster():
+    within = decide.choose("g", _candidates(), timer=lambda: [(1.0, 0.805, 0.80, 0.81)] * 5)
+    assert within.keep and within.num_streams == 2, within  # 2 streams within 1% of the fastest
+    slower = decide.choose("g", _candidates(), timer=lambda: [(1.0, 1.0, 1.1, 0.995)] * 5)
+    assert not slower.keep and slower.num_streams == 1, slower
+
+
+def test_choose_without_a_timer_takes_the_fewest_streams_predicted_near_the_best():
+    d = decide.choose("g", _candidates())
+    assert d.keep and d.candidate == 1 and d.source == "prediction", d  # 3 streams: 2 is more than 3% slower
+    flat = [decide.Prediction(2, 130.0, 90.0, 101.0), decide.Prediction(4, 130.0, 80.0, 100.0)]
+    assert decide.choose("g", flat).num_streams == 2
+
+
+def test_choose_skips_candidates_below_the_gate_and_rejects_rounds_of_another_width():
+    low = [decide.Prediction(2, 100.0, 90.0, 120.0), decide.Prediction(3, 130.0, 80.0, 100.0)]
+    seen = []
+
+    def timer():
+        seen.append(1)
+        return [(1.0, 0.5)] * 3  # one stream and the one candidate worth timing
+
+    d = decide.choose("g", low, timer=timer)
+    assert seen and d.keep and d.candidate == 1, d
+    bad = decide.choose("g", low, timer=lambda: [(1.0, 0.5, 0.4)] * 3)
+    assert bad.source == "prediction" and "timing failed" in bad.reason, bad

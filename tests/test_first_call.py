@@ -36,7 +36,7 @@ def fake_replays(monkeypatch, rounds, fail: Exception | None = None) -> FakeRepl
     import concur.dag.measure as measure
 
     fake = FakeReplays(rounds, fail)
-    monkeypatch.setattr(measure, "alternating_replays", fake)
+    monkeypatch.setattr(measure, "replay_rounds", fake)
     return fake
 
 
@@ -85,7 +85,7 @@ def deciding(own, streams, mutated=frozenset(), written=frozenset(), num_inputs=
         return call
 
     timing = FirstCallTiming(torch.device("cpu"), lambda: can_time)
-    return FirstCall(own, streams, settle, timing, frozenset(mutated), written, num_inputs), log
+    return FirstCall(own, [streams], settle, timing, frozenset(mutated), written, num_inputs), log
 
 
 def mutating(x, stat):  # a training forward: reads x, updates a running statistic in place
@@ -339,12 +339,12 @@ def test_the_wrapper_decides_at_the_first_call_on_its_inputs_and_then_runs_the_c
     seen: list = []
     timed = fake.__call__
 
-    def recording(one_stream, streams, device, *args, **kwargs):  # what the records said when timing began
+    def recording(programs, device, *args, **kwargs):  # what the records said when timing began
         seen.append([g.decided_by for g in backend.graphs])
-        return timed(one_stream, streams, device, *args, **kwargs)
+        return timed(programs, device, *args, **kwargs)
 
     import concur.dag.measure as measure
-    monkeypatch.setattr(measure, "alternating_replays", recording)
+    monkeypatch.setattr(measure, "replay_rounds", recording)
     calls = count_first_calls(monkeypatch)
     train_steps(model, backend, X, steps=3)
     assert seen == [["pending"], ["measurement", "pending"]]  # compiled, recorded, then timed at the first call
@@ -362,9 +362,9 @@ def test_timing_is_on_the_real_parameters_and_nothing_input_sized_is_made_up(mon
     import concur.dag.measure as measure
     real = measure.boxed_rounds
 
-    def recording(one_stream, streams, args, device, restore=frozenset()):
+    def recording(programs, args, device, restore=frozenset()):
         seen.append({x.data_ptr() for x in args if isinstance(x, torch.Tensor)})
-        return real(one_stream, streams, args, device, restore)
+        return real(programs, args, device, restore)
 
     monkeypatch.setattr(first_call, "boxed_rounds", recording)
     model = wide()

@@ -32,16 +32,17 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 class FakeReplays:
-    """Stands in for alternating_replays: runs each program once, returns fixed rounds (or raises ``fail``),
-    counts its calls."""
+    """Stands in for alternating_replays (two programs) or replay_rounds (a sequence of them): runs each program
+    once, returns fixed rounds (or raises ``fail``), counts its calls."""
 
     def __init__(self, rounds, fail: Exception | None = None):
         self.rounds, self.fail, self.calls = rounds, fail, 0
 
-    def __call__(self, one_stream, streams, device, *args, **kwargs):
+    def __call__(self, first, *rest, **kwargs):
+        programs = list(first) if isinstance(first, (list, tuple)) else [first, rest[0]]
         self.calls += 1
-        one_stream()
-        streams()
+        for program in programs:
+            program()
         if self.fail is not None:
             raise self.fail
         return self.rounds
@@ -55,7 +56,7 @@ def fx_timing(monkeypatch, rounds) -> FakeReplays:
     fake = FakeReplays(rounds)
     monkeypatch.setattr(module, "can_time", lambda device: True)
     monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cpu"))
-    monkeypatch.setattr(decision, "alternating_replays", fake)
+    monkeypatch.setattr(decision, "replay_rounds", fake)
     return fake
 
 
@@ -129,7 +130,7 @@ def test_fx_the_environment_switch_turns_timing_off(monkeypatch):
 
     fake = FakeReplays(SLOWER)
     monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cuda"))
-    monkeypatch.setattr(decision, "alternating_replays", fake)
+    monkeypatch.setattr(decision, "replay_rounds", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("CONCUR_MEASURE", "0")
@@ -149,7 +150,7 @@ def wrapper_timing(monkeypatch, rounds) -> FakeReplays:
 
     fake = FakeReplays(rounds)
     monkeypatch.setattr(backend, "can_time", lambda device: True)
-    monkeypatch.setattr(measure, "alternating_replays", fake)
+    monkeypatch.setattr(measure, "replay_rounds", fake)
     return fake
 
 
@@ -193,3 +194,82 @@ def test_wrapper_measured_faster_installs_and_a_second_compile_reads_the_cache(m
     compile_and_run(WideNet(branches=4, channels=4), torch.randn(3, 3, 8, 8), third)  # another batch size
     assert fake.calls > timed
     torch._dynamo.reset()
+
+
+class FakeCandidateReplays:
+    """replay_rounds of one stream and N candidates: one stream 1.0 ms, candidate j ``times(j, N)`` ms."""
+
+    def __init__(self, times):
+        self.times, self.widths = times, []
+
+    def __call__(self, programs, *args, **kwargs):
+        for program in programs:
+            program()
+        n = len(programs) - 1
+        self.widths.append(n)
+        return [(1.0, *[self.times(j, n) for j in range(n)])] * 5
+
+
+def auto_compiled(monkeypatch, times, batch: int = 2) -> tuple:
+    import concur.dag.measure as measure
+    import concur.inductor.backend as backend_module
+
+    torch._dynamo.reset()
+    fake = FakeCandidateReplays(times)
+    monkeypatch.setattr(backend_module, "can_time", lambda device: True)
+    monkeypatch.setattr(measure, "replay_rounds", fake)
+    compiles: list = []
+    real = backend_module.compat.inductor_compile_graph
+    monkeypatch.setattr(backend_module.compat, "inductor_compile_graph",
+                        lambda *a, **k: compiles.append(1) or real(*a, **k))
+    backend = concur.backend(streams="auto", roofline=NO_MERGE)
+    compile_and_run(WideNet(branches=4, channels=4), torch.randn(batch, 3, 8, 8), backend)
+    torch._dynamo.reset()
+    return backend, fake, compiles
+
+
+@pytest.mark.inductor
+def test_auto_times_every_stream_count_of_one_compile_and_keeps_the_fastest(monkeypatch):
+    # the last candidate (the most streams) measures fastest, the others barely beat one stream
+    backend, fake, compiles = auto_compiled(monkeypatch, lambda j, n: 0.5 if j == n - 1 else 0.95)
+    assert len(compiles) == 2 and len(backend.graphs) == 2  # one compile per graph, forward and backward
+    assert fake.widths and max(fake.widths) >= 2, fake.widths  # several stream counts timed in one call
+    timed = [g for g in backend.graphs if g.decided_by == "measurement"]
+    assert timed and all(g.measured_speedup == pytest.approx(2.0) for g in timed), backend.graphs
+    most = [g.num_streams for g, n in zip(timed, fake.widths)]
+    assert max(most) >= 3, backend.graphs
+
+
+@pytest.mark.inductor
+def test_auto_takes_the_fewest_streams_as_fast_as_the_fastest(monkeypatch):
+    backend, fake, _ = auto_compiled(monkeypatch, lambda j, n: 0.5)  # every candidate as fast
+    timed = [g for g in backend.graphs if g.decided_by == "measurement"]
+    assert timed and all(g.num_streams == 2 for g in timed), backend.graphs
+    slower, fake, _ = auto_compiled(monkeypatch, lambda j, n: 1.5, batch=3)  # none beats one stream
+    assert all(g.num_streams == 1 for g in slower.graphs), slower.graphs
+
+
+def test_backend_streams_must_be_a_count_or_auto():
+    with pytest.raises(ValueError, match="'auto'"):
+        concur.backend(streams="fast")
+    assert concur.backend(streams="auto").options.streams == "auto"
+
+
+def test_fx_auto_times_the_plans_of_one_trace_and_keeps_the_fastest(monkeypatch):
+    import concur.fx.decision as decision
+    import concur.fx.module as module
+
+    fake = FakeCandidateReplays(lambda j, n: 0.5 if j == n - 1 else 0.9)  # the most streams measure fastest
+    monkeypatch.setattr(module, "can_time", lambda device: True)
+    monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cpu"))
+    monkeypatch.setattr(decision, "replay_rounds", fake)
+    traces: list = []
+    real = module.analyse
+    monkeypatch.setattr(module, "analyse", lambda *a, **k: traces.append(1) or real(*a, **k))
+    model = branchy()
+    plan = concur.optimize(model, (X,), streams="auto", cost_model=H100).plan
+    assert len(traces) == 1 and fake.widths and fake.widths[0] >= 2, (traces, fake.widths)
+    assert plan.schedule.num_streams >= 3, plan.schedule.num_streams
+    same = FakeCandidateReplays(lambda j, n: 0.5)  # all as fast: the fewest streams
+    monkeypatch.setattr(decision, "replay_rounds", same)
+    assert concur.optimize(branchy(), (X[:1],), streams="auto", cost_model=H100).plan.schedule.num_streams == 2

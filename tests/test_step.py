@@ -93,7 +93,7 @@ def test_auto_streams_picks_a_count_from_the_predicted_curve():
     model = WideNet(branches=8)
     step = concur.train_step(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                              (torch.randn(2, 3, 8, 8), torch.randn(2, 10)), streams="auto", cuda_graph=False)
-    assert 2 <= step.requested_streams <= 8
+    assert step.requested_streams == "auto" and 2 <= step.module.plan.schedule.num_streams <= 4
 
 
 def test_train_step_fp16_grad_scaler_matches_the_amp_recipe():
@@ -136,47 +136,20 @@ def test_train_step_rejects_a_grad_scaler_of_the_wrong_type():
                           batch, cuda_graph=False, grad_scaler=object())
 
 
-def auto_configuration_with_faked_tuner(monkeypatch, chosen: dict, *args):
-    """Run streams="auto"'s choice on faked CUDA, the tuner faked to choose ``chosen``; return (choice, its kwargs)."""
-    import types
-
+def test_auto_streams_decide_in_the_plan_not_in_a_tuner(monkeypatch):
+    """streams="auto" builds one module (one trace, or one compile) whose graphs choose among 2-4 streams and
+    one: the tuner, which built and timed a step per stream count, is not called."""
     import concur.observe.tuner as tuner_mod
-    import concur.training.auto as auto_mod
-    import concur.training.step as train_mod
 
-    seen = {}
-
-    def fake_tune(model, loss_fn, opt, batch, **kwargs):
-        seen.update(kwargs)
-        return types.SimpleNamespace(config=types.SimpleNamespace(**chosen))
-
-    monkeypatch.setattr(tuner_mod, "tune_train_step", fake_tune)
-    monkeypatch.setattr(auto_mod, "tensors_in", lambda x: [types.SimpleNamespace(is_cuda=True)])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner_mod, "tune_train_step", lambda *a, **k: pytest.fail("the tuner ran"))
     model = WideNet(branches=2)
-    got = train_mod._auto_configuration(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                                        (torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long)), *args)
-    return got, seen
-
-
-def test_auto_streams_tunes_in_the_steps_precision(monkeypatch):
-    """streams="auto" on a GPU measures trials under the step's autocast dtype (wiring, faked CUDA)."""
-    got, seen = auto_configuration_with_faked_tuner(monkeypatch, dict(streams=3, scheduler="fork", cuda_graph=False),
-                                                    "critical_path", True, False, torch.bfloat16)
-    assert got == (3, "fork", False) and seen == {"amp_dtype": torch.bfloat16, "make_step": concur.train_step}
-
-
-def test_auto_streams_with_compile_measures_fused_trials(monkeypatch):
-    """streams="auto", compile=True on a GPU: the tuner times compiled trials with the user's backend options."""
-    import concur.training.step as train_mod
-
-    got, seen = auto_configuration_with_faked_tuner(
-        monkeypatch, dict(streams=1, scheduler="critical_path", cuda_graph=True),
-        "critical_path", True, True, None, {"buffer_reuse": "ordered"})
-    assert got == (1, "critical_path", True)
-    assert seen["compile"] is True and seen["schedulers"] == ("critical_path",)
-    assert seen["max_streams"] == train_mod._COMPILED_MAX_STREAMS and seen["probe_utilization"] is False
-    assert seen["compile_options"] == {"buffer_reuse": "ordered"} and seen["make_step"] is concur.train_step
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    step = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                             streams="auto", cuda_graph=False)
+    assert list(step.modules) == ["auto"] and step.module._options["streams"] == "auto"
+    compiled = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                                 streams="auto", cuda_graph=False, compile=True)
+    assert compiled.backends["auto"].options.streams == "auto"
 
 
 def test_compile_options_reach_the_backend_and_need_compile():

@@ -21,6 +21,12 @@ The decision, one threshold for every route::
     timed: median of the rounds           -> several streams only if faster than one
                                              stream by more than ``margin``
 
+:func:`choose` makes the same decision among several multi-stream programs of
+one graph (``streams="auto"``: its schedules on 2, 3 and 4 streams), all
+timed in the same alternating rounds: the fastest, or the fewest streams
+within ``margin`` of it, against one stream as above; without a timer, the
+fewest streams predicted within :data:`PREDICTED_TIE` of the best.
+
 The prediction is only a filter: on networks it was never tuned for it is off
 by 20-50% (issue 29), so where a GPU can time both programs, the measurement
 decides, and equal times keep one stream. The timer is passed in (on CUDA:
@@ -57,8 +63,11 @@ MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launch
 MIN_SPEEDUP = 1.0         # a program predicted slower than one stream is never kept, nor timed
 MARGIN = 0.01             # measured: several streams must beat one by this fraction, else one stream
 
-# The rounds a timer returns: per round, (one stream, several streams), ms of one replay each.
-Timer = Callable[[], Sequence[tuple[float, float]]]
+PREDICTED_TIE = 0.03      # without a timer, "auto" takes the fewest streams predicted within this of the best
+
+# The rounds a timer returns: per round, (one stream, several streams), ms of one replay each; with several
+# candidates (choose), (one stream, candidate 0, candidate 1, ...).
+Timer = Callable[[], Sequence[tuple[float, ...]]]
 
 
 def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_us: float | None = None
@@ -115,8 +124,9 @@ class Measured:
     """Median times of one replay (ms) of the one-stream and the multi-stream program, alternated."""
 
     one_stream_ms: float
-    streams_ms: float
+    streams_ms: float     # the chosen candidate's (the only one's, where there was one)
     rounds: int
+    candidates_ms: tuple[float, ...] = ()  # every candidate's median, where several were timed
 
     @property
     def speedup(self) -> float:
@@ -133,6 +143,7 @@ class Decision:
     measured: Measured | None    # None where nothing was timed (nor read from the cache)
     source: str                  # "prediction", "measurement" or "cache"
     reason: str                  # one sentence: what was compared with what
+    candidate: int = 0           # which of the candidates given to choose() the prediction and times are of
 
     @property
     def num_streams(self) -> int:
@@ -162,15 +173,27 @@ def decision_key(*parts: Any) -> str:
     return h.hexdigest()[:32]
 
 
-def measured(rounds: Sequence[tuple[float, float]]) -> Measured:
-    """Return the medians of a timer's rounds.
+def measured(rounds: Sequence[tuple[float, ...]]) -> Measured:
+    """Return the medians of a timer's rounds (of two programs; :func:`medians` for more).
 
     Raises:
         ValueError: no round was timed.
     """
+    one, *streams = medians(rounds, 2)
+    return Measured(one, streams[0], len(rounds))
+
+
+def medians(rounds: Sequence[tuple[float, ...]], programs: int) -> list[float]:
+    """Return each program's median over a timer's rounds of ``programs`` times each.
+
+    Raises:
+        ValueError: no round was timed, or a round has another number of times.
+    """
     if not rounds:
         raise ValueError("the timer returned no rounds")
-    return Measured(statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds), len(rounds))
+    if any(len(r) != programs for r in rounds):
+        raise ValueError(f"the timer returned rounds of {sorted({len(r) for r in rounds})} times, not {programs}")
+    return [statistics.median(r[i] for r in rounds) for i in range(programs)]
 
 
 def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDUP, timer: Timer | None = None,
@@ -186,7 +209,26 @@ def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDU
     step, :mod:`concur.training.step_streams`), which the calibration keeps
     apart.
     """
-    decision = _decide(what, prediction, min_speedup, timer, cache, key, margin, scope)
+    return choose(what, [prediction], min_speedup=min_speedup, timer=timer, cache=cache, key=key, margin=margin,
+                  scope=scope)
+
+
+def choose(what: str, candidates: Sequence[Prediction], *, min_speedup: float = MIN_SPEEDUP,
+           timer: Timer | None = None, cache: DecisionCache | None = None, key: str | None = None,
+           margin: float = MARGIN, scope: str = "graph") -> Decision:
+    """Return which of several multi-stream programs of ``what`` runs, or one stream, logging why.
+
+    :func:`decide` with one candidate. Candidates on one stream or
+    predicted below ``min_speedup`` are not timed; ``timer`` times one
+    stream and the others, in that order, in each round. The decision's
+    ``candidate`` is the index of the chosen program in ``candidates``.
+
+    Raises:
+        ValueError: no candidate (a concur bug).
+    """
+    if not candidates:
+        raise ValueError("the timer returned no rounds: there was no candidate program to time")
+    decision = _choose(what, list(candidates), min_speedup, timer, cache, key, margin, scope)
     if decision.keep:
         log.info("concur: %s runs on %d streams: %s", what, decision.num_streams, decision.reason)
     else:
@@ -194,41 +236,75 @@ def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDU
     return decision
 
 
-def _decide(what: str, p: Prediction, min_speedup: float, timer: Timer | None, cache: DecisionCache | None,
-            key: str | None, margin: float, scope: str) -> Decision:
-    predicted = (f"predicted {p.serial_us:,.1f} us on one stream against {p.streams_us:,.1f} us on "
-                 f"{p.num_streams} ({p.speedup:.2f}x, kernels sharing the device)")
-    if p.num_streams <= 1:
-        return Decision(False, p, None, "prediction", "the schedule uses one stream")
-    if p.speedup < min_speedup * (1 - 1e-9):  # a makespan summed in another order is not slower
-        return Decision(False, p, None, "prediction", f"{predicted}, below {min_speedup:g}x")
+def _predicted(p: Prediction) -> str:
+    return (f"predicted {p.serial_us:,.1f} us on one stream against {p.streams_us:,.1f} us on "
+            f"{p.num_streams} ({p.speedup:.2f}x, kernels sharing the device)")
+
+
+def _by_prediction(ps: Sequence[Prediction]) -> int:
+    """Index of the fewest streams predicted within :data:`PREDICTED_TIE` of the best prediction."""
+    best = max(p.speedup for p in ps)
+    return min((i for i, p in enumerate(ps) if p.speedup >= best * (1 - PREDICTED_TIE)),
+               key=lambda i: (ps[i].num_streams, -ps[i].speedup))
+
+
+def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: Timer | None,
+            cache: DecisionCache | None, key: str | None, margin: float, scope: str) -> Decision:
+    several = [i for i, p in enumerate(candidates) if p.num_streams > 1]
+    if not several:
+        return Decision(False, candidates[0], None, "prediction", "the schedule uses one stream")
+    worth = [i for i in several if candidates[i].speedup >= min_speedup * (1 - 1e-9)]  # a sum in another order
+    if not worth:
+        best = max(several, key=lambda i: candidates[i].speedup)
+        return Decision(False, candidates[best], None, "prediction",
+                        f"{_predicted(candidates[best])}, below {min_speedup:g}x", best)
     if timer is None:
-        return Decision(True, p, None, "prediction", f"{predicted}; not timed (no GPU to time it on)")
+        i = worth[_by_prediction([candidates[i] for i in worth])]
+        return Decision(True, candidates[i], None, "prediction",
+                        f"{_predicted(candidates[i])}; not timed (no GPU to time it on)", i)
     stored = cache.get(key) if cache is not None and key is not None else None
     if stored is not None:
         try:
-            m = Measured(float(stored["one_stream_ms"]), float(stored["streams_ms"]), int(stored["rounds"]))
+            i = int(stored.get("candidate", 0))
+            m = Measured(float(stored["one_stream_ms"]), float(stored["streams_ms"]), int(stored["rounds"]),
+                         tuple(float(t) for t in stored.get("candidates_ms", ())))
             keep = bool(stored["keep"])
-        except (KeyError, TypeError, ValueError):
+            p = candidates[i]
+        except (KeyError, TypeError, ValueError, IndexError):
             pass  # an entry of another format: time again
         else:
-            return Decision(keep, p, m, "cache", f"{_compared(m, keep, margin)} (cached measurement); {predicted}")
+            return Decision(keep, p, m, "cache", f"{_compared(m, keep, margin, p)} (cached measurement); "
+                            f"{_predicted(p)}", i)
     try:
-        m = measured(timer())
+        rounds = timer()
+        one, *times = medians(rounds, 1 + len(worth))
     except Exception as exc:  # noqa: BLE001 - a program that cannot be timed is judged as without a GPU
         why = (str(exc).splitlines() or [""])[0][:200]
-        return Decision(True, p, None, "prediction", f"{predicted}; timing failed ({type(exc).__name__}: {why})")
+        i = worth[_by_prediction([candidates[i] for i in worth])]
+        return Decision(True, candidates[i], None, "prediction",
+                        f"{_predicted(candidates[i])}; timing failed ({type(exc).__name__}: {why})", i)
+    fastest = min(times)
+    # the fewest streams within the margin of the fastest: as fast, with fewer streams' memory and launches
+    pick = min((j for j, t in enumerate(times) if t <= fastest * (1 + margin)),
+               key=lambda j: (candidates[worth[j]].num_streams, times[j]))
+    i, p = worth[pick], candidates[worth[pick]]
+    m = Measured(one, times[pick], len(rounds), tuple(times) if len(times) > 1 else ())
     keep = m.streams_ms < m.one_stream_ms * (1 - margin)
     if cache is not None and key is not None:
         # the prediction's terms ride along: experiments/calibrate.py fits the prediction to these entries
-        cache.put(key, {"keep": keep, "one_stream_ms": m.one_stream_ms, "streams_ms": m.streams_ms,
-                        "rounds": m.rounds, "predicted_speedup": p.speedup, "ideal_speedup": p.ideal_speedup,
-                        "serial_us": p.serial_us, "streams_us": p.streams_us, "num_streams": p.num_streams,
-                        "what": what, "scope": scope})
-    return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin)}; {predicted}")
+        entry = {"keep": keep, "one_stream_ms": m.one_stream_ms, "streams_ms": m.streams_ms,
+                 "rounds": m.rounds, "predicted_speedup": p.speedup, "ideal_speedup": p.ideal_speedup,
+                 "serial_us": p.serial_us, "streams_us": p.streams_us, "num_streams": p.num_streams,
+                 "what": what, "scope": scope}
+        if len(candidates) > 1:
+            entry.update(candidate=i, candidates_ms=list(m.candidates_ms))
+        cache.put(key, entry)
+    return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin, p)}; {_predicted(p)}", i)
 
 
-def _compared(m: Measured, keep: bool, margin: float) -> str:
+def _compared(m: Measured, keep: bool, margin: float, p: Prediction) -> str:
     verdict = "faster" if keep else f"not faster by {margin:.0%}"
-    return (f"measured {m.streams_ms:.3f} ms against {m.one_stream_ms:.3f} ms on one stream "
-            f"({m.speedup:.2f}x, median of {m.rounds} alternating rounds: {verdict})")
+    others = (f"; the candidates measured {', '.join(f'{t:.3f}' for t in m.candidates_ms)} ms"
+              if m.candidates_ms else "")
+    return (f"measured {m.streams_ms:.3f} ms on {p.num_streams} streams against {m.one_stream_ms:.3f} ms on one "
+            f"stream ({m.speedup:.2f}x, median of {m.rounds} alternating rounds: {verdict}){others}")

@@ -216,23 +216,24 @@ def rng_kept(device: torch.device) -> Iterator[None]:
             torch.cuda.set_rng_state(gpu, device)
 
 
-def boxed_timer(one_stream: Callable[[list], Any], streams: Callable[[list], Any],
+def boxed_timer(one_stream: Callable[[list], Any], streams: Sequence[Callable[[list], Any]],
                 example_inputs: Sequence[Any], device: torch.device) -> Timer:
-    """Return a :data:`~concur.dag.decide.Timer` of two compiled graphs' boxed calls (one list argument each).
+    """Return a :data:`~concur.dag.decide.Timer` of compiled graphs' boxed calls (one list argument each).
 
-    The inputs are made when the timer runs and dropped after it; each call
-    gets its own list, which inductor's ``call`` empties.
+    Rounds of one stream's time, then each of ``streams``'. The inputs are
+    made when the timer runs and dropped after it; each call gets its own
+    list, which inductor's ``call`` empties.
     """
-    def timer() -> list[tuple[float, float]]:
+    def timer() -> list[tuple[float, ...]]:
         with compat.outside_fake_mode(), rng_kept(device):  # making the inputs draws random numbers too
-            return boxed_rounds(one_stream, streams, real_inputs(example_inputs), device)
+            return boxed_rounds((one_stream, *streams), real_inputs(example_inputs), device)
 
     return timer
 
 
-def boxed_rounds(one_stream: Callable[[list], Any], streams: Callable[[list], Any], args: Sequence[Any],
-                 device: torch.device, restore: frozenset[int] = frozenset()) -> list[tuple[float, float]]:
-    """Return :func:`alternating_replays`' rounds of two boxed calls on the caller's own ``args``.
+def boxed_rounds(programs: Sequence[Callable[[list], Any]], args: Sequence[Any], device: torch.device,
+                 restore: frozenset[int] = frozenset()) -> list[tuple[float, ...]]:
+    """Return :func:`replay_rounds` of compiled graphs' boxed calls (one stream first) on the caller's own ``args``.
 
     Each call gets its own ``list(args)`` (inductor's ``call`` empties the
     list it is given; ``args`` keeps the tensors alive). The tensors at the
@@ -247,8 +248,12 @@ def boxed_rounds(one_stream: Callable[[list], Any], streams: Callable[[list], An
              if i < len(args) and isinstance(args[i], torch.Tensor)]
     try:
         with rng_kept(device):
-            return alternating_replays(lambda: one_stream(list(args)), lambda: streams(list(args)), device)
+            return replay_rounds([_boxed(p, args) for p in programs], device)
     finally:
         with torch.no_grad():
             for live, copy in saved:
                 live.copy_(copy)
+
+
+def _boxed(program: Callable[[list], Any], args: Sequence[Any]) -> Callable[[], Any]:
+    return lambda: program(list(args))

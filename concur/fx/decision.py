@@ -1,16 +1,18 @@
 """What the fx path hands :func:`concur.dag.decide.decide` on a GPU: a timer of its two plans and a cache key.
 
-Both plans come from one trace (:func:`concur.fx.plan.generate_plan`): the
-multi-stream plan and the one-stream plan it would fall back to. The timer
+All plans come from one trace (:func:`concur.fx.plan.generate_plan`): the
+multi-stream plans (several with ``streams="auto"``) and the one-stream plan
+they would fall back to. The timer
 runs each as a training step would, forward and backward, captured in a CUDA
-graph (:func:`concur.dag.measure.alternating_replays`), and leaves the model
+graph (:func:`concur.dag.measure.replay_rounds`), and leaves the model
 as it found it: buffers, RNG, gradients, and the caller's autograd graph.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+import functools
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -18,7 +20,7 @@ import torch.nn as nn
 
 from concur.dag import decide
 from concur.dag.annotate import preserved_state, tensors_in
-from concur.dag.measure import alternating_replays, environment
+from concur.dag.measure import environment, replay_rounds
 from concur.fx.plan import Plan
 
 
@@ -51,9 +53,9 @@ def state_kept(model: nn.Module, device: torch.device) -> Iterator[None]:
             p.grad = g
 
 
-def plan_timer(module: nn.Module, one_stream: Callable[[], Plan], streams: Plan, inputs: tuple,
+def plan_timer(module: nn.Module, one_stream: Callable[[], Plan], streams: Sequence[Plan], inputs: tuple,
                device: torch.device) -> decide.Timer:
-    """Return a timer of ``module``'s one-stream and multi-stream plan (forward, and backward where it applies).
+    """Return a timer of ``module``'s one-stream plan and multi-stream plans (forward, and backward where it applies).
 
     Inputs are detached (leaves that require gradients stay so): a plan built
     during a forward gets the caller's activations, and the timing's backward
@@ -61,16 +63,16 @@ def plan_timer(module: nn.Module, one_stream: Callable[[], Plan], streams: Plan,
     """
     own = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs)
 
-    def timer() -> list[tuple[float, float]]:
-        one = one_stream()
+    def timer() -> list[tuple[float, ...]]:
+        plans = [one_stream(), *streams]
         with state_kept(module, device):
-            return alternating_replays(lambda: run_plan(module, one, own), lambda: run_plan(module, streams, own),
-                                       device)
+            return replay_rounds([functools.partial(run_plan, module, plan, own) for plan in plans], device)
 
     return timer
 
 
-def decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plan: Plan, device: torch.device) -> str:
+def decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plans: Sequence[Plan],
+                 device: torch.device) -> str:
     """Return the cache key of a measured decision: graph, modules, shapes and dtypes, precision, plan, GPU, torch.
 
     The traced code names the modules it calls; their settings
@@ -84,6 +86,8 @@ def decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plan: 
     shapes = tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad) for t in tensors_in(inputs))
     precision = (torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
                  str(torch.get_autocast_dtype(device.type)))
-    return decide.decision_key("fx", traced.code, modules, state, shapes, precision, plan.schedule.order,
-                               sorted(plan.schedule.stream.items()), plan.weight_grad_splits, environment(device),
-                               decide.MARGIN)
+    # one plan's key as it always was, so that its cached decisions stay valid
+    candidates = [x for plan in plans for x in (plan.schedule.order, sorted(plan.schedule.stream.items()),
+                                                plan.weight_grad_splits)]
+    return decide.decision_key("fx", traced.code, modules, state, shapes, precision, *candidates,
+                               environment(device), decide.MARGIN)

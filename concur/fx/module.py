@@ -25,6 +25,8 @@ from concur.fx.decision import cuda_device, decision_key, plan_timer
 from concur.fx.plan import Plan, analyse, device_name, generate_plan, schedule_ops
 
 FALLBACKS = ("error", "eager")
+AUTO = "auto"
+AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one stream
 
 
 # What a ConcurModule derives and rebuilds after a copy instead of copying it: the original model's own
@@ -105,19 +107,28 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         return _rebuild, (self.original, self._options), state
 
     def _decided_plan(self, inputs: tuple) -> Plan:
-        """Trace once, schedule, and keep the multi-stream plan or one stream (:func:`concur.dag.decide.decide`).
+        """Trace once, schedule, and keep a multi-stream plan or one stream (:func:`concur.dag.decide.choose`).
 
-        On CUDA the two plans, both generated from the one trace, are timed
-        against each other, forward and backward, in CUDA graphs
-        (:mod:`concur.fx.decision`); elsewhere the prediction decides.
+        With ``streams="auto"`` the candidates are the schedules on 2, 3 and
+        4 streams (those that coincide count once). On CUDA they are timed
+        against the one-stream plan, all generated from the one trace,
+        forward and backward, in CUDA graphs (:mod:`concur.fx.decision`);
+        elsewhere the prediction decides.
         """
         o = self._options
         traced, dag = analyse(self.original, inputs, o["cost_model"], o["leaf_modules"])
         self._adopt_constants(traced)
-        prologue, scheduled, schedule = schedule_ops(dag, o["streams"], o["scheduler"])
-        plan = generate_plan(self.original, traced, dag, prologue, schedule, o["split_weight_grads"])
-        if schedule.num_streams == 1:
-            return plan
+        counts = AUTO_STREAMS if o["streams"] == AUTO else (o["streams"],)
+        schedules: dict[tuple, schedulers.Schedule] = {}
+        for k in counts:
+            prologue, scheduled, schedule = schedule_ops(dag, k, o["scheduler"])
+            schedules.setdefault((tuple(schedule.order), tuple(sorted(schedule.stream.items()))), schedule)
+        candidates = [s for s in schedules.values() if s.num_streams > 1]
+        if not candidates:
+            return generate_plan(self.original, traced, dag, prologue, next(iter(schedules.values())),
+                                 o["split_weight_grads"])
+        plans = [generate_plan(self.original, traced, dag, prologue, s, o["split_weight_grads"]) for s in candidates]
+        predictions = [decide.predict(scheduled, s) for s in candidates]
         made: list[Plan] = []
 
         def one_stream() -> Plan:  # from the same trace, made only where it is timed or kept
@@ -129,12 +140,12 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         timer, key = None, None
         device = cuda_device(self.original, inputs)
         if o.get("measure", True) and can_time(device):
-            timer = plan_timer(self, one_stream, plan, inputs, device)
-            key = decision_key(self.original, traced, inputs, plan, device)
-        decision = decide.decide(f"concur.optimize of {type(self.original).__name__}",
-                                 decide.predict(scheduled, schedule), timer=timer,
+            timed = [p for p, pred in zip(plans, predictions) if pred.speedup >= decide.MIN_SPEEDUP * (1 - 1e-9)]
+            timer = plan_timer(self, one_stream, timed or plans[:1], inputs, device)
+            key = decision_key(self.original, traced, inputs, plans, device)
+        decision = decide.choose(f"concur.optimize of {type(self.original).__name__}", predictions, timer=timer,
                                  cache=JsonCache() if timer is not None else None, key=key)
-        return plan if decision.keep else one_stream()
+        return plans[decision.candidate] if decision.keep else one_stream()
 
     def _adopt_constants(self, traced: fx.GraphModule) -> None:
         """Put the trace's fx-made constants on self, where the generated code reads them."""
@@ -207,8 +218,8 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
                         f"e.g. (torch.randn(8, 3, 224, 224),); got {type(example_inputs).__name__}")
-    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
-        raise ValueError(f"streams must be an int from 1 to 64, got {streams!r}")
+    if streams != AUTO and (isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64):
+        raise ValueError(f"streams must be an int from 1 to 64 or 'auto', got {streams!r}")
     example_inputs = tuple(example_inputs)
     try:
         signature = pyinspect.signature(model.forward)
@@ -224,7 +235,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
     return example_inputs
 
 
-def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
+def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
              leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
              measure: bool = True) -> nn.Module:
@@ -245,6 +256,12 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int = 4,
     its median is more than 1% faster; the answer is cached on disk per
     graph, shapes, dtypes, GPU and torch (:mod:`concur.dag.decide`). One
     info line on the ``concur`` logger gives each decision and its times.
+
+    ``streams="auto"`` weighs the plans on 2, 3 and 4 streams, all from one
+    trace, against one stream in the same way: timed together on CUDA (the
+    fewest streams within 1% of the fastest, kept only if more than 1%
+    faster than one stream), else the fewest streams predicted within 3% of
+    the best.
 
     ``split_weight_grads=True`` runs the weight (and bias) gradients of plain
     ``nn.Conv2d`` and ``nn.Linear`` layers on one more, low-priority stream in

@@ -45,6 +45,9 @@ from concur.inductor.wrapper_emit import InstalledPlan, PlacedKernels, place_ker
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP
 
+AUTO = "auto"
+AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one stream
+
 BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule orders it (BackendOptions.buffer_reuse)
 
 
@@ -52,7 +55,9 @@ BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule or
 class BackendOptions:
     """How the concur backend schedules and compiles."""
 
-    streams: int = 4
+    # up to this many streams; "auto": the schedules on 2, 3 and 4 streams (AUTO_STREAMS), chosen among by
+    # the one decision point (measured on CUDA, predicted elsewhere) with one stream, from one compile
+    streams: int | str = 4
     scheduler: str = "critical_path"
     roofline: Roofline | None = None  # default: from the device of the graph's inputs
     # A graph whose schedule predicts less than this gain over one stream, with kernels sharing the
@@ -136,8 +141,9 @@ class ConcurBackend:
     """A dynamo backend: ``torch.compile(model, backend=ConcurBackend(BackendOptions(...)))``."""
 
     def __init__(self, options: BackendOptions = BackendOptions()):
-        if isinstance(options.streams, bool) or not isinstance(options.streams, int) or options.streams < 1:
-            raise ValueError(f"streams must be a positive int, got {options.streams!r}")
+        if options.streams != AUTO and (isinstance(options.streams, bool) or not isinstance(options.streams, int)
+                                        or options.streams < 1):
+            raise ValueError(f"streams must be a positive int or 'auto', got {options.streams!r}")
         if options.scheduler not in schedulers.SCHEDULERS:
             raise ValueError(f"unknown scheduler {options.scheduler!r}; choose one of "
                              f"{sorted(schedulers.SCHEDULERS)}")
@@ -232,7 +238,8 @@ class ConcurBackend:
                 self._installed[record] = placed.installed_plan
 
         try:
-            placed = place_kernels(compiled, node_costs, roof, o.streams, o.scheduler, o.min_predicted_speedup,
+            counts = AUTO_STREAMS if o.streams == AUTO else o.streams
+            placed = place_kernels(compiled, node_costs, roof, counts, o.scheduler, o.min_predicted_speedup,
                                    split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
                                    f"graph of {num_ops} ops", on_decided=on_decided, weight_grad_split=splits,
                                    **self._measuring(example_inputs, is_backward))
@@ -296,7 +303,7 @@ class ConcurBackend:
         inputs = tuple((tuple(x.shape), tuple(x.stride()), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
                        for x in example_inputs)
 
-        def timer(one: Callable[[list], Any], streams: Callable[[list], Any]) -> decide.Timer:
+        def timer(one: Callable[[list], Any], streams: Sequence[Callable[[list], Any]]) -> decide.Timer:
             return boxed_timer(one, streams, example_inputs, device)
 
         return {"measure": timer, "cache": JsonCache(), "first_call": FirstCallTiming(device, lambda: can_time(device)),
@@ -313,7 +320,9 @@ class ConcurBackend:
         if split:
             gm.recompile()
         try:
-            options = StreamOptions(o.streams, o.scheduler, _roofline(o, example_inputs), o.min_predicted_speedup)
+            # "auto" here is the most streams: this route's one program per compile is predicted, never timed
+            options = StreamOptions(max(AUTO_STREAMS) if o.streams == AUTO else o.streams, o.scheduler,
+                                    _roofline(o, example_inputs), o.min_predicted_speedup)
             # inductor emits the streams here, so "ordered" is its reuse where that stays within a stream
             with _inductor_reuse(o.buffer_reuse, ordered_reuses=compat.inductor_reuses_within_streams_only()):
                 done = compile_stamped(gm, example_inputs, options, is_backward, args, kwargs)
@@ -380,7 +389,7 @@ def _code(node: ast.stmt) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
+def backend(streams: int | str = 4, scheduler: str = "critical_path", *, roofline: Roofline | None = None,
             min_predicted_speedup: float | None = None, buffer_reuse: bool | str = BUFFER_REUSE_ORDERED,
             route: str = "wrapper", split_weight_grads: bool = True, measure: bool = True) -> ConcurBackend:
     """Return a ``torch.compile`` backend putting inductor's fused kernels on up to ``streams`` streams.
@@ -390,6 +399,14 @@ def backend(streams: int = 4, scheduler: str = "critical_path", *, roofline: Roo
     whole and concur then issues its kernel launches on streams
     (:mod:`concur.inductor.wrapper_emit`): fusion and layout are exactly
     ``torch.compile``'s.
+
+    ``streams="auto"`` schedules each graph on 2, 3 and 4 streams and lets
+    the same decision pick among those programs and inductor's own call,
+    all from one compile: timed against each other at the graph's first
+    call on CUDA (with ``measure``), the fewest streams within 1% of the
+    fastest, and one stream unless that is more than 1% faster; without a
+    GPU, the fewest streams predicted within 3% of the best. The stamped
+    route schedules on up to 4 streams and predicts.
 
     A graph whose schedule predicts less than ``min_predicted_speedup`` over
     one stream (kernels sharing the device) runs on one stream, exactly as

@@ -37,7 +37,7 @@ captured, leaves the decision to the prediction, as without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
@@ -70,19 +70,20 @@ class FirstCallTiming:
 class FirstCall:
     """A compiled graph's boxed call that, on its first call, times, decides, installs the winner and runs.
 
-    ``own`` is inductor's one-stream call; ``streams`` the rewritten one.
+    ``own`` is inductor's one-stream call; ``streams`` the rewritten ones
+    (one per candidate plan, :func:`concur.dag.decide.choose`).
     ``settle(timer)`` decides with ``timer`` through
-    :func:`concur.dag.decide.decide`, installs the chosen call where this
+    :func:`concur.dag.decide.choose`, installs the chosen call where this
     one was (so later calls never pass through here) and returns it.
     ``mutated`` are the input positions inductor says it writes;
     ``written`` those its wrapper may write (concur's read, a superset) out
     of ``num_inputs``, or None where they could not be read.
     """
 
-    def __init__(self, own: Callable[[list], Any], streams: Callable[[list], Any],
+    def __init__(self, own: Callable[[list], Any], streams: Sequence[Callable[[list], Any]],
                  settle: Callable[[decide.Timer], Callable[[list], Any]], timing: FirstCallTiming,
                  mutated: frozenset[int], written: frozenset[int] | None, num_inputs: int):
-        self.own, self.streams, self.settle, self.timing = own, streams, settle, timing
+        self.own, self.streams, self.settle, self.timing = own, tuple(streams), settle, timing
         self.mutated, self.written, self.num_inputs = mutated, written, num_inputs
 
     def __call__(self, args: list) -> Any:
@@ -124,7 +125,7 @@ class FirstCall:
     def _time(self, inputs: Callable[[], list]) -> decide.Timer:
         """Time both programs on ``inputs()`` now; return a timer that hands ``decide`` the rounds, or the failure."""
         try:
-            rounds = boxed_rounds(self.own, self.streams, inputs(), self.timing.device, self.mutated)
+            rounds = boxed_rounds((self.own, *self.streams), inputs(), self.timing.device, self.mutated)
         except Exception as exc:  # noqa: BLE001 - decide logs it and lets the prediction decide
             failure = exc
 

@@ -43,7 +43,7 @@ import copy
 import itertools
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import networkx as nx
 
@@ -549,11 +549,11 @@ def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, s
     return barriers[0] if unbarred.num_streams > 1 else None
 
 
-# Times a compiled graph's own call (one stream) against the rewritten one: (one, streams) -> timer.
-Measure = Callable[[Callable[[list], Any], Callable[[list], Any]], decide.Timer]
+# Times a compiled graph's own call (one stream) against rewritten ones: (one, [streams, ...]) -> timer.
+Measure = Callable[[Callable[[list], Any], Sequence[Callable[[list], Any]]], decide.Timer]
 
 
-def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int,
+def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int | Sequence[int],
                   scheduler: str, min_predicted_speedup: float = decide.MIN_SPEEDUP, split_reuses: bool = False, *,
                   label: str = "a graph", measure: Measure | None = None, cache: decide.DecisionCache | None = None,
                   key_parts: tuple = (), first_call: FirstCallTiming | None = None,
@@ -571,6 +571,11 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     (``serialized_by``). A measurement is cached under a key of the
     wrapper's source, the plan and ``key_parts`` (the inputs' shapes and
     dtypes, the device, torch).
+
+    ``streams`` may be several stream counts (``streams="auto"``): each
+    gives a schedule, those that coincide count once, and
+    :func:`concur.dag.decide.choose` picks among them and one stream, all
+    timed in the same rounds; nothing compiles twice.
 
     With ``first_call`` as well, a plan to be timed (no cached decision) is
     timed on the inputs of the graph's first call instead of inputs made
@@ -605,61 +610,76 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     check_streams(program)
     dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
     min_cost = decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
-    schedule = decide.schedule_graph(dag, streams, scheduler, min_cost)
-    problems = schedulers.validate(dag, schedule)
-    if problems:
-        raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
-    plan = plan_emission(program, schedule, dag)
-    if plan.num_streams == 1:
+    counts = (streams,) if isinstance(streams, int) else tuple(streams)
+    schedules: dict[tuple, schedulers.Schedule] = {}  # stream counts whose schedules coincide are one candidate
+    for k in counts:
+        schedule = decide.schedule_graph(dag, k, scheduler, min_cost)
+        problems = schedulers.validate(dag, schedule)
+        if problems:
+            raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
+        schedules.setdefault((tuple(schedule.order), tuple(sorted(schedule.stream.items(), key=repr))), schedule)
+    candidates = [s for s in schedules.values() if s.num_streams > 1]
+    if not candidates:
+        plan = plan_emission(program, next(iter(schedules.values())), dag)
         return PlacedKernels(plan, False, launches - added, "the schedule uses one stream",
-                             serializing_barrier(program, dag, streams, scheduler, min_cost), as_written)
-    built: list = []
+                             serializing_barrier(program, dag, max(counts), scheduler, min_cost), as_written)
+    plans = [plan_emission(program, schedule, dag) for schedule in candidates]
+    built: dict[int, Callable] = {}
 
-    def rewritten() -> Callable:  # built only where something is timed or installed
-        if not built:
-            built.append(build_call(program, plan, namespace, bound_to)[0])
-        return built[0]
+    def rewritten(i: int) -> Callable:  # built only where something is timed or installed
+        if i not in built:
+            built[i] = build_call(program, plans[i], namespace, bound_to)[0]
+        return built[i]
 
     def placed(decision: decide.Decision, own: Callable | None = None) -> PlacedKernels:
+        plan = plans[decision.candidate]
         if not decision.keep:  # inductor's own call runs, its convolution backward calls joint
             return PlacedKernels(plan, False, launches - added, decision.reason, reuses_kept=as_written,
                                  decision=decision)
-        chosen = rewritten()
-        switch = None if own is None else InstalledPlan(key, prediction, lambda on: replace(chosen if on else own))
+        chosen = rewritten(decision.candidate)
+        switch = None if own is None else InstalledPlan(key, decision.prediction,
+                                                        lambda on: replace(chosen if on else own))
         return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
                              decision=decision, convolutions_split=len(split), installed_plan=switch)
 
-    key = decide.decision_key("wrapper", source, schedule.order, sorted(schedule.stream.items(), key=repr),
+    key = decide.decision_key("wrapper", source, *[(s.order, sorted(s.stream.items(), key=repr)) for s in candidates],
                               *key_parts) if measure is not None else None
-    prediction = decide.predict(dag, schedule)
+    if len(candidates) == 1:  # the key of a single plan as it always was: its cached decisions stay valid
+        key = decide.decision_key("wrapper", source, candidates[0].order,
+                                  sorted(candidates[0].stream.items(), key=repr), *key_parts) \
+            if measure is not None else None
+    predictions = [decide.predict(dag, schedule) for schedule in candidates]
+    # the candidates choose() times: those predicted at least min_predicted_speedup
+    timed = [i for i, p in enumerate(predictions) if p.speedup >= min_predicted_speedup * (1 - 1e-9)] or [0]
 
     def decided(timer: decide.Timer | None) -> decide.Decision:
-        return decide.decide(f"{label} ({launches} launches)", prediction, min_speedup=min_predicted_speedup,
+        return decide.choose(f"{label} ({launches} launches)", predictions, min_speedup=min_predicted_speedup,
                              timer=timer, cache=cache, key=key)
 
     mutated = compat.inductor_mutated_inputs(compiled) if measure is not None and first_call is not None else None
     if mutated is None:
-        decision = decided((lambda: measure(compiled, rewritten())()) if measure is not None else None)
+        decision = decided((lambda: measure(compiled, [rewritten(i) for i in timed])())
+                           if measure is not None else None)
     else:
         try:
             decision = decided(defer)  # a cached decision, or none worth timing, is made now
         except Deferred:
-            own, chosen = compat.inductor_generated_call(compiled), rewritten()
+            own = compat.inductor_generated_call(compiled)
 
             def settle(timer: decide.Timer) -> Callable[[list], Any]:
                 decision = decided(timer)
-                call = chosen if decision.keep else own
+                call = rewritten(decision.candidate) if decision.keep else own
                 replace(call)
                 if on_decided is not None:
                     on_decided(placed(decision, own))
                 return call
 
-            replace(FirstCall(own, chosen, settle, first_call, mutated, written_inputs(program),
-                              len(program.inputs)))
-            return PlacedKernels(plan, False, launches - added, "not decided yet: the graph's first call times both "
-                                 "programs on its inputs", reuses_kept=as_written, pending=True)
+            replace(FirstCall(own, [rewritten(i) for i in timed], settle, first_call, mutated,
+                              written_inputs(program), len(program.inputs)))
+            return PlacedKernels(plans[timed[0]], False, launches - added, "not decided yet: the graph's first "
+                                 "call times both programs on its inputs", reuses_kept=as_written, pending=True)
     # a measured decision can be revisited over the whole step, which needs inductor's own call at hand
     own = compat.inductor_generated_call(compiled) if measure is not None else None
     if decision.keep:
-        replace(rewritten())
+        replace(rewritten(decision.candidate))
     return placed(decision, own)

@@ -1,3 +1,3 @@
 """Measuring, tuning and reporting: the NVML monitor, timing, profiler traces, run directories,
-``concur report``, and the measured tuner behind ``streams="auto"`` with its disk cache.
+``concur report``, and the measured tuner, which times a whole step per configuration, with its disk cache.
 """

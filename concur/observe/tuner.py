@@ -1,4 +1,4 @@
-"""Pick the stream count and scheduler of a training step by measuring it (``streams="auto"``).
+"""Pick the stream count and scheduler of a training step by building and timing a step per configuration.
 
 Two signals, two questions:
 

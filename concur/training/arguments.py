@@ -19,9 +19,15 @@ def check_arguments(example_batch: Any, grad_scaler: Any, accumulate: Any, befor
         raise TypeError(f"before_step must be callable as before_step(model, optimizer), got {before_step!r}")
 
 
+def as_tuple(x: Any) -> tuple:
+    """A model's positional inputs as a tuple (one tensor or a list of them)."""
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
 def check_streams(streams: Any, compile: bool, compile_options: dict | None) -> None:
-    """Raise a ValueError for a stream count that is not a positive int, or backend options without compile."""
-    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+    """Raise a ValueError for a stream count that is not a positive int or "auto", or backend options without
+    compile."""
+    if streams != "auto" and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
         raise ValueError(f"streams must be a positive int or 'auto', got {streams!r}")
     if compile_options and not compile:
         raise ValueError("compile_options are options of the torch.compile backend: pass compile=True too")

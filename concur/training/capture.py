@@ -51,13 +51,13 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
         except Exception as exc:  # OOM or an op that cannot be captured
             step._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                            + ("falling back to 1 stream, for this and later input shapes." if streams > 1
+                            + ("falling back to 1 stream, for this and later input shapes." if streams != 1
                                else "falling back to eager execution."))
             failed = True
         else:
             failed = False
         if failed:  # outside the except block: its traceback no longer holds the failed capture's tensors
-            if streams > 1:  # free the module (and the compiled code) that cannot be captured
+            if streams != 1:  # free the module (and the compiled code) that cannot be captured
                 step.failed_streams.add(streams)
                 step.modules.pop(streams, None)
                 step.backends.pop(streams, None)
@@ -111,7 +111,7 @@ def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[b
     try:
         with runner.side_stream():
             reached = backward_from_none(step, module, static_inputs, static_targets, optimized)
-            if step.compile and streams > 1:  # every graph of this shape has decided by now
+            if step.compile and streams != 1:  # every graph of this shape has decided by now
                 step._decide_on_the_step(streams, lambda: backward_from_none(
                     step, module, static_inputs, static_targets, optimized), static_inputs)
             owned = None

@@ -48,10 +48,8 @@ from concur.dag.annotate import tensors_in
 from concur.fx import module as api
 from concur.inductor.backend import ConcurBackend, backend
 from concur.training import captured_optim
-from concur.training.arguments import check_arguments, check_optimizer, check_streams, make_capturable, \
-    split_option
-from concur.training.auto import COMPILED_MAX_STREAMS as _COMPILED_MAX_STREAMS  # noqa: F401 (tests read it here)
-from concur.training.auto import as_tuple as _as_tuple, auto_configuration
+from concur.training.arguments import as_tuple as _as_tuple, check_arguments, check_optimizer, check_streams, \
+    make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
 from concur.training.capture import capture_with_fallback
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
@@ -68,11 +66,6 @@ _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda
 
 def _signature(tensors: list[torch.Tensor]) -> tuple:
     return tuple([(t.shape, t.dtype, t.device) for t in tensors])
-
-
-def _auto_configuration(*args: Any, **kwargs: Any) -> tuple[int, str, bool]:
-    """:func:`concur.training.auto.auto_configuration`, whose trials are built by :func:`train_step`."""
-    return auto_configuration(*args, make_step=train_step, **kwargs)
 
 
 class TrainStep:
@@ -169,7 +162,7 @@ class TrainStep:
         """The concurrent module with the requested stream count."""
         return self._module(self.requested_streams)
 
-    def _module(self, streams: int) -> nn.Module:
+    def _module(self, streams: int | str) -> nn.Module:
         if streams not in self.modules:
             if self.compile:
                 # dynamic=False: a new batch size gets its own static graph, as CUDA graphs need
@@ -345,14 +338,14 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     layers whole, since there the split's extra autograd nodes cost host
     time every step.
 
-    ``streams="auto"`` on CUDA measures stream counts and schedulers with the
-    tuner (:mod:`concur.observe.tuner`, cached on disk, at most ~20 s) and
-    never keeps a configuration not measured faster than the serial graph.
-    With ``compile=True`` every trial compiles, so it climbs 1, 2, ... up to
-    4 streams with the given scheduler and stops at the first that is not
-    faster (minutes for a large model, once: the result is cached). Without
-    CUDA it takes the fewest streams predicted to reach 97% of the best
-    predicted speedup.
+    ``streams="auto"`` weighs each graph's plans on 2, 3 and 4 streams
+    against one stream through the same decision as a fixed count, all from
+    one trace (unfused) or one compile (``compile=True``): timed together on
+    CUDA (the fewest streams within 1% of the fastest, kept only if more
+    than 1% faster than one stream, cached on disk), predicted elsewhere
+    (the fewest streams within 3% of the best prediction). With
+    ``compile=True`` the step then weighs the plans kept over the whole
+    captured step, as for a fixed count.
 
     ``amp_dtype=torch.bfloat16`` runs forward and loss under autocast (the
     same as ``with torch.autocast(...)`` around them in a plain loop).
@@ -367,10 +360,6 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     cycle (least recently used are evicted).
     """
     check_arguments(example_batch, grad_scaler, accumulate, before_step)
-    if streams == "auto":
-        streams, scheduler, cuda_graph = _auto_configuration(
-            model, loss_fn, optimizer, tuple(example_batch), scheduler, cuda_graph, compile, amp_dtype,
-            compile_options)
     check_streams(streams, compile, compile_options)
     return TrainStep(model, loss_fn, optimizer, tuple(example_batch), streams, cuda_graph, scheduler,
                      max_graphs, warmup, compile, amp_dtype, grad_scaler, compile_options, accumulate, before_step,
