@@ -35,6 +35,34 @@ import torch
 from concur.dag.annotate import tensors_in
 
 
+# Side streams per device, shared by every plan: the caching allocator keeps a freed block for the stream it
+# was allocated on, and cuBLAS a 32 MiB workspace per stream, so streams of their own for each plan (a
+# forward's, a backward's, each candidate of streams="auto") would each hold blocks and a workspace that no
+# other plan could reuse, inside a captured step's pool too. Plans run one after another (each joins all
+# its side streams back into the caller's before the next forks), so sharing orders nothing they need apart.
+_SIDE_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+_WEIGHT_GRAD_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """Return the first ``count`` side streams of ``device``, made on first use and shared by every plan."""
+    streams = _SIDE_STREAMS.setdefault(device, [])
+    with torch.cuda.device(device):
+        while len(streams) < count:
+            streams.append(torch.cuda.Stream(device))
+    return streams[:count]
+
+
+def weight_grad_stream(device: torch.device) -> torch.cuda.Stream:
+    """Return ``device``'s weight-gradient stream, shared by every plan.
+
+    Priority 0, the lowest: its kernels are never on the critical path, so they yield SMs.
+    """
+    if device not in _WEIGHT_GRAD_STREAMS:
+        _WEIGHT_GRAD_STREAMS[device] = torch.cuda.Stream(device, priority=0)
+    return _WEIGHT_GRAD_STREAMS[device]
+
+
 class StreamRuntime:
     """Streams and events of one plan, bound lazily to the device of the first CUDA input."""
 
@@ -54,11 +82,10 @@ class StreamRuntime:
         if self._device == device:
             return
         with torch.cuda.device(device):
-            self._side = [torch.cuda.Stream(device) for _ in range(self.num_streams - 1)]
+            self._side = side_streams(device, self.num_streams - 1)
             self._events = [torch.cuda.Event() for _ in range(self.num_events)]
             self._join_events = [torch.cuda.Event() for _ in range(self.num_streams)]
-            # Priority 0, the lowest: its kernels are never on the critical path, so they yield SMs.
-            self._weight_grad = torch.cuda.Stream(device, priority=0) if self.has_weight_grad_stream else None
+            self._weight_grad = weight_grad_stream(device) if self.has_weight_grad_stream else None
         self._device = device
 
     def fork(self, *inputs: Any) -> None:

@@ -104,3 +104,30 @@ def test_protect_records_the_tensor_on_each_named_stream(fake_cuda):
     rt.fork("x")
     rt.protect("saved", (1, 2))
     assert log[-2:] == ["keep on s1", "keep on s2"]
+
+
+def test_plans_share_their_devices_side_streams(monkeypatch):
+    """Every plan's side streams are the device's shared ones: streams of their own per plan (a forward's, a
+    backward's, each candidate of streams="auto") would each keep cached blocks and a cuBLAS workspace."""
+    import contextlib
+
+    made: list = []
+
+    class CountedStream(FakeStream):
+        def __init__(self, device=None, priority=0):
+            super().__init__(f"s{len(made)}")
+            self.priority = priority
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", CountedStream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent("e", []))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(runtime_module, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(runtime_module, "_WEIGHT_GRAD_STREAMS", {})
+    device = torch.device("cuda", 0)
+    forward, backward = StreamRuntime(4, 2, weight_grad_stream=True), StreamRuntime(2, 1, weight_grad_stream=True)
+    forward._bind(device)
+    backward._bind(device)
+    assert backward._side == forward._side[:1] and backward._weight_grad is forward._weight_grad
+    assert len(made) == 4  # three side streams and one weight-gradient stream for the device, not six and two
+    assert forward._weight_grad.priority == 0
