@@ -41,6 +41,9 @@
 #                  b32 bf16); $OUT/auto29.txt, $OUT/auto29_logs.tgz, $OUT/auto29_sweep.log, $OUT/auto29_sweep.tgz
 #   shared         tests/test_gpu.py, the habits, lean-step and step-decision tests, the fused envelope (GoogLeNet) and
 #                  sanitizer (GoogLeNet, Inception-v3), side by side; $OUT/shared.txt, $OUT/shared_logs.tgz
+#   setup29        experiments/setup_cost.py: what the measured decisions add to setup (timing on against off, warm
+#                  inductor cache), fused GoogLeNet b32 on 4 streams and "auto", fused ResNet-50 b32, unfused
+#                  GoogLeNet b32, one at a time; $OUT/setup29.txt, $OUT/setup29.jsonl
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -227,6 +230,13 @@ for step in "$@"; do
              t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
              fused_checks ordered_reuse "googlenet" "googlenet inception_v3"
              end_parallel shared " passed\| failed\|Error\|sanitized run finished\|deviation\|memory, " 4 600 ;;
+    setup29) for spec in "googlenet 32 4 --compile" "googlenet 32 auto --compile" "resnet50 32 4 --compile" \
+                         "googlenet 32 4"; do  # one at a time: setup times are wall times
+               set -- $spec
+               timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 -m experiments.setup_cost --model $1 \
+                 --batch $2 --streams $3 ${4:-} --json "$OUT/setup29.jsonl" 2>&1 | grep -v Warning | tail -3 \
+                 | tee -a "$OUT/setup29.txt"
+             done ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

@@ -1,0 +1,84 @@
+"""What the measured decisions add to a step's setup: ``train_step`` built and first called with timing on and off.
+
+    PYTHONPATH=. python -m experiments.setup_cost --model googlenet --batch 32 [--compile] [--streams 4|auto]
+        [--json out.jsonl]
+
+Issue 29 allows the measurements at most 10% of setup time. Each side runs in
+a process of its own (inductor's in-process caches would favour the second),
+in the order off, on, off, on: the first pair warms inductor's on-disk cache,
+so the second pair compares setups that differ only by the timing (a warm
+compile, as a user's second run). Timing on uses an empty decision cache, so
+every decision is timed, not read back. Setup is the wall time of building
+the step and its first call (compile, first-call timings, the step's
+decision, warm-up and capture), synchronized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one(args: argparse.Namespace) -> float:
+    """Seconds to build the step and run its first call, in this process."""
+    import torch
+
+    import concur
+    from experiments.step_gap import setup
+
+    model, batch, loss_fn, opt = setup(args.model, args.batch)
+    streams = args.streams if args.streams == "auto" else int(args.streams)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step = concur.train_step(model, loss_fn, opt(model.parameters()), batch, streams=streams,
+                             amp_dtype=torch.bfloat16, compile=args.compile)
+    step(*batch)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _child(args: argparse.Namespace, measure: bool, cache: str) -> float:
+    command = [sys.executable, "-m", "experiments.setup_cost", "--child", "--model", args.model, "--batch",
+               str(args.batch), "--streams", args.streams] + (["--compile"] if args.compile else [])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CONCUR_MEASURE": "1" if measure else "0",
+           "CONCUR_CACHE_DIR": cache}
+    out = subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=900)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="googlenet")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--streams", default="4")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(f"{_one(args):.3f}")
+        return
+    seconds = {}
+    for run, measure in (("cold off", False), ("cold on", True), ("off", False), ("on", True)):
+        with tempfile.TemporaryDirectory() as cache:  # no decision read back: every one is timed
+            seconds[run] = _child(args, measure, cache)
+    share = seconds["on"] / seconds["off"] - 1
+    label = f"{args.model} b{args.batch} {'fused' if args.compile else 'unfused'} streams={args.streams}"
+    print(f"{label}: setup {seconds['off']:.1f} s without timing, {seconds['on']:.1f} s with it ({share:+.1%}); "
+          f"cold {seconds['cold off']:.1f} / {seconds['cold on']:.1f} s")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"label": label, **{k.replace(' ', '_') + '_s': v for k, v in seconds.items()},
+                                "measurement_share": share}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
