@@ -1,4 +1,4 @@
-"""Tests for placing inductor's kernels on streams after fusion (concur.inductor.wrapper_parse, concur.inductor.wrapper_emit).
+"""Tests for placing inductor's kernels on streams after fusion (inductor/wrapper_parse, wrapper_emit, placement).
 
 A hand-written wrapper in the shape inductor emits for CUDA (triton
 launches, extern convolutions, buffer reuse, views, an in-place random op, a
@@ -338,7 +338,7 @@ HOISTED = WRAPPER.replace("""        stream0 = get_raw_stream(0)
 def test_a_stream_argument_not_bound_inside_the_region_falls_back(monkeypatch, source, match):
     """A launch on a stream build_call does not rebind would stay on the caller's stream: the graph is not touched."""
     from concur.dag.cost import Roofline
-    from concur.inductor.wrapper_emit import place_kernels
+    from concur.inductor.placement import place_kernels
 
     installed = fake_compiled(monkeypatch, source)
     roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
@@ -371,7 +371,7 @@ def call(args):
 @pytest.mark.parametrize("barrier", [True, False])
 def test_a_plan_its_barriers_serialize_names_the_barrier(monkeypatch, barrier):
     from concur.dag.cost import Roofline
-    from concur.inductor.wrapper_emit import place_kernels
+    from concur.inductor.placement import place_kernels
 
     source = SERIAL if barrier else SERIAL.replace("        mystery(buf0)\n", "")
     installed = fake_compiled(monkeypatch, source)
@@ -390,7 +390,7 @@ def test_the_backend_warns_once_naming_the_serializing_statement(monkeypatch):
     import warnings
 
     import concur
-    from concur.inductor.wrapper_emit import PlacedKernels
+    from concur.inductor.placement import PlacedKernels
     from concur.inductor.wrapper_parse import parse_wrapper
 
     backend_module = sys.modules["concur.inductor.backend"]

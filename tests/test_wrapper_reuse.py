@@ -30,7 +30,8 @@ import torch.nn as nn
 import schedulers
 from concur.dag.cost import Roofline
 from concur.dag.decide import schedule_graph
-from concur.inductor.wrapper_emit import build_call, kept_reuses, launch_dag, place_kernels, plan_emission
+from concur.inductor.placement import place_kernels
+from concur.inductor.wrapper_emit import build_call, kept_reuses, launch_dag, plan_emission
 from concur.inductor.kernel_signatures import (_cpp_pointer_dtype, _cpp_stores_only, _triton_pointer_dtype,
                                                _triton_signature, kernel_signatures)
 from concur.inductor.wrapper_parse import parse_wrapper, parse_wrapper_source, source_namespace

@@ -1,7 +1,7 @@
 """Whether a graph runs on several streams: the one decision every route makes, made here.
 
 The fx path (:mod:`concur.fx.module`), the backend's wrapper route
-(:mod:`concur.inductor.wrapper_emit`) and its stamped route
+(:mod:`concur.inductor.placement`) and its stamped route
 (:mod:`concur.inductor.stamp`) each hold a costed DAG of their own ops. Each
 calls, in this order:
 

@@ -38,9 +38,9 @@ from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import boxed_timer, can_time, environment
 from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.first_call import FirstCallTiming
+from concur.inductor.placement import InstalledPlan, PlacedKernels, place_kernels
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
 from concur.inductor.weight_grads import split_calls, split_convolution_backward, weight_gradient_nodes
-from concur.inductor.wrapper_emit import InstalledPlan, PlacedKernels, place_kernels
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP

@@ -5,7 +5,7 @@ At compile time there are only fake ones, and real ones made to match cost
 memory (:func:`concur.dag.measure.real_inputs`): a backward, compiled lazily
 at the first backward call while the forward's saved activations are alive,
 would make a second set of them (issue 28). So where a measurement is wanted,
-:func:`concur.inductor.wrapper_emit.place_kernels` installs a
+:func:`concur.inductor.placement.place_kernels` installs a
 :class:`FirstCall` in the graph's place, which times both programs on the
 inputs of the graph's first call, hands the rounds to the one decision point
 (:func:`concur.dag.decide.decide`: same INFO line, same cache), installs the

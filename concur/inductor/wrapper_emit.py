@@ -1,14 +1,17 @@
-"""Issue inductor's fused kernels on several streams, after fusion, without recompiling anything.
+"""Turn one schedule of inductor's fused kernels into a rewritten ``call``, after fusion, recompiling nothing.
 
 Inductor compiles a graph *whole* (so fusion and layout are decided once, as
 ``backend="inductor"`` would), and concur then rewrites only the order and the
 streams of the launches in the generated ``call`` function:
 
 1. :mod:`concur.inductor.wrapper_parse` lists the launches with the storage groups
-   each reads and writes; read/write conflicts give the dependency DAG;
+   each reads and writes; read/write conflicts give the dependency DAG
+   (:func:`launch_dag`);
 2. the DAG, costed from the fx nodes inductor names above each launch
    (:mod:`concur.inductor.aten_dag`), is scheduled, and the plan kept or
-   dropped, by :mod:`concur.dag.decide`, as on every other path;
+   dropped, by :mod:`concur.inductor.placement` (through
+   :mod:`concur.dag.decide`, as on every other path), which hands this
+   module one schedule at a time to emit;
 3. host statements (allocations, aliases, shape checks) go right before the
    first launch that touches their storage, on its stream (an allocation's
    stream is where the caching allocator will reuse it), and each ``del`` right
@@ -31,9 +34,8 @@ inductor already made.
 
 Whatever is not read fails closed: a launch whose ``stream=`` is not a
 raw-stream lookup made inside the rewritten region (where
-:func:`build_call` repeats it after every switch) makes the whole graph run
-as inductor made it, and a plan that statements concur cannot read
-(barriers) serialize onto one stream says which statement did it.
+:func:`build_call` repeats it after every switch) fails
+:func:`check_streams`, and the whole graph runs as inductor made it.
 """
 
 from __future__ import annotations
@@ -43,21 +45,16 @@ import copy
 import itertools
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import networkx as nx
 
 import schedulers
 
-from concur import _torch_compat as compat
 from concur.dag import decide
-from concur.dag.cost import Roofline
 from concur.dag.hazards import hazard_edges
-from concur.inductor.first_call import Deferred, FirstCall, FirstCallTiming, defer
-from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement, parse_wrapper
-from concur.inductor.weight_grads import SplitCall
+from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement
 from concur.inductor.wrapper_program import _ALIGNING_COPIES
-from concur.inductor.wrapper_split import split_costs, split_weight_gradient_calls
 from concur.streams import StreamRuntime
 
 
@@ -499,187 +496,3 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
     if bound_to is not None:
         call = types.MethodType(call, bound_to)
     return call, runtime
-
-
-@dataclass(frozen=True)
-class InstalledPlan:
-    """An installed multi-stream program, with inductor's own call kept beside it.
-
-    A decision over the whole captured step (:mod:`concur.training.step_streams`)
-    times the step with every graph's plan against the step with none, and
-    can put a graph back on inductor's call after its own decision kept the
-    plan: a small graph's gain measured alone need not survive in the step.
-    """
-
-    key: str | None                     # the graph's own decision key (None where nothing is measured)
-    prediction: decide.Prediction
-    use_streams: Callable[[bool], None]  # True: the multi-stream program runs; False: inductor's own call
-
-
-@dataclass(frozen=True)
-class PlacedKernels:
-    """What :func:`place_kernels` did: the plan, and whether the compiled graph now runs it."""
-
-    plan: KernelStreamPlan | None
-    installed: bool
-    num_launches: int = 0
-    # why the graph keeps inductor's own call on one stream, when that is a decision (None if installed)
-    one_stream: str | None = None
-    # the first barrier of a graph its barriers serialized (it would use several streams without them)
-    serialized_by: Statement | None = None
-    # inductor's reuse lines in what runs: kept as written, or (installed plans only) made fresh allocations
-    reuses_kept: int = 0
-    reuses_fresh: int = 0
-    decision: decide.Decision | None = None  # None where there was nothing to decide, or not yet
-    # the decision waits for the graph's first call, which times both programs on its inputs (first_call)
-    pending: bool = False
-    convolutions_split: int = 0  # joint convolution backward calls split in what runs (installed plans only)
-    # installed plans decided with ``measure`` only: how to switch back to inductor's call
-    installed_plan: InstalledPlan | None = None
-
-
-def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
-                        min_cost: float) -> Statement | None:
-    """Return the first barrier if, without its barriers, the launch DAG would be scheduled on several streams."""
-    barriers = [s for s in program.launches if s.kind == "barrier"]
-    rest = [v for v in dag if not dag.nodes[v]["barrier"]]
-    if not barriers or len(rest) < 2:
-        return None
-    unbarred = decide.schedule_graph(dag.subgraph(rest).copy(), streams, scheduler, min_cost)
-    return barriers[0] if unbarred.num_streams > 1 else None
-
-
-# Times a compiled graph's own call (one stream) against rewritten ones: (one, [streams, ...]) -> timer.
-Measure = Callable[[Callable[[list], Any], Sequence[Callable[[list], Any]]], decide.Timer]
-
-
-def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], roof: Roofline, streams: int | Sequence[int],
-                  scheduler: str, min_predicted_speedup: float = decide.MIN_SPEEDUP, split_reuses: bool = False, *,
-                  label: str = "a graph", measure: Measure | None = None, cache: decide.DecisionCache | None = None,
-                  key_parts: tuple = (), first_call: FirstCallTiming | None = None,
-                  on_decided: Callable[[PlacedKernels], None] | None = None,
-                  weight_grad_split: Mapping[str, SplitCall] | None = None) -> PlacedKernels:
-    """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
-
-    The graph keeps running inductor's own call when it has fewer than two
-    launches, or when :func:`concur.dag.decide.decide` drops its plan: the
-    schedule uses one stream, it predicts less than
-    ``min_predicted_speedup`` (kernels sharing the device), or, with
-    ``measure``, inductor's own call measured at least as fast as the
-    rewritten one. The result says why (``one_stream``), and names the
-    barrier when barriers are what put a branchy graph on one stream
-    (``serialized_by``). A measurement is cached under a key of the
-    wrapper's source, the plan and ``key_parts`` (the inputs' shapes and
-    dtypes, the device, torch).
-
-    ``streams`` may be several stream counts (``streams="auto"``): each
-    gives a schedule, those that coincide count once, and
-    :func:`concur.dag.decide.choose` picks among them and one stream, all
-    timed in the same rounds; nothing compiles twice.
-
-    With ``first_call`` as well, a plan to be timed (no cached decision) is
-    timed on the inputs of the graph's first call instead of inputs made
-    for it (:mod:`concur.inductor.first_call`): the graph runs a
-    :class:`~concur.inductor.first_call.FirstCall` until then, the result is
-    ``pending``, and ``on_decided`` gets what was decided. Where inductor
-    does not say which inputs the graph mutates
-    (:func:`compat.inductor_mutated_inputs`), ``measure`` times it now.
-
-    With ``split_reuses``, the launches are scheduled as if each renameable
-    reuse line were a fresh allocation, and the plan keeps the reuses its
-    schedule orders anyway (:func:`kept_reuses`).
-
-    With ``weight_grad_split`` (a backward's joint convolution backward
-    calls, :func:`concur.inductor.weight_grads.split_calls`), the program put
-    on streams has them split (:mod:`concur.inductor.wrapper_split`), while
-    the one-stream program it is weighed against stays inductor's own.
-
-    Raises:
-        ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
-    """
-    source, namespace, bound_to, replace = compat.inductor_wrapper(compiled)
-    source, split = split_weight_gradient_calls(source, weight_grad_split or {})
-    node_costs = split_costs(node_costs, split)
-    program = parse_wrapper(source, namespace, split_reuses)
-    launches = len(program.launches)
-    added = sum(1 + s.copy_input for s in split)  # launches the split adds to inductor's own call
-    as_written = program.reuse_lines  # inductor's own call keeps every reuse
-    if launches < 2:  # nothing is reordered, so nothing needs reading further
-        return PlacedKernels(None, False, launches, f"{launches} kernel launch{'es' if launches != 1 else ''}: "
-                                                    "nothing to put on streams", reuses_kept=as_written)
-    check_streams(program)
-    dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
-    min_cost = decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
-    counts = (streams,) if isinstance(streams, int) else tuple(streams)
-    schedules: dict[tuple, schedulers.Schedule] = {}  # stream counts whose schedules coincide are one candidate
-    for k in counts:
-        schedule = decide.schedule_graph(dag, k, scheduler, min_cost)
-        problems = schedulers.validate(dag, schedule)
-        if problems:
-            raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
-        schedules.setdefault((tuple(schedule.order), tuple(sorted(schedule.stream.items(), key=repr))), schedule)
-    candidates = [s for s in schedules.values() if s.num_streams > 1]
-    if not candidates:
-        plan = plan_emission(program, next(iter(schedules.values())), dag)
-        return PlacedKernels(plan, False, launches - added, "the schedule uses one stream",
-                             serializing_barrier(program, dag, max(counts), scheduler, min_cost), as_written)
-    plans = [plan_emission(program, schedule, dag) for schedule in candidates]
-    built: dict[int, Callable] = {}
-
-    def rewritten(i: int) -> Callable:  # built only where something is timed or installed
-        if i not in built:
-            built[i] = build_call(program, plans[i], namespace, bound_to)[0]
-        return built[i]
-
-    def placed(decision: decide.Decision, own: Callable | None = None) -> PlacedKernels:
-        plan = plans[decision.candidate]
-        if not decision.keep:  # inductor's own call runs, its convolution backward calls joint
-            return PlacedKernels(plan, False, launches - added, decision.reason, reuses_kept=as_written,
-                                 decision=decision)
-        chosen = rewritten(decision.candidate)
-        switch = None if own is None else InstalledPlan(key, decision.prediction,
-                                                        lambda on: replace(chosen if on else own))
-        return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
-                             decision=decision, convolutions_split=len(split), installed_plan=switch)
-
-    key = decide.decision_key("wrapper", source, *[(s.order, sorted(s.stream.items(), key=repr)) for s in candidates],
-                              *key_parts) if measure is not None else None
-    if len(candidates) == 1:  # the key of a single plan as it always was: its cached decisions stay valid
-        key = decide.decision_key("wrapper", source, candidates[0].order,
-                                  sorted(candidates[0].stream.items(), key=repr), *key_parts) \
-            if measure is not None else None
-    predictions = [decide.predict(dag, schedule) for schedule in candidates]
-    # the candidates choose() times: those predicted at least min_predicted_speedup
-    timed = [i for i, p in enumerate(predictions) if p.speedup >= min_predicted_speedup * (1 - 1e-9)] or [0]
-
-    def decided(timer: decide.Timer | None) -> decide.Decision:
-        return decide.choose(f"{label} ({launches} launches)", predictions, min_speedup=min_predicted_speedup,
-                             timer=timer, cache=cache, key=key)
-
-    mutated = compat.inductor_mutated_inputs(compiled) if measure is not None and first_call is not None else None
-    if mutated is None:
-        decision = decided((lambda: measure(compiled, [rewritten(i) for i in timed])())
-                           if measure is not None else None)
-    else:
-        try:
-            decision = decided(defer)  # a cached decision, or none worth timing, is made now
-        except Deferred:
-            own = compat.inductor_generated_call(compiled)
-
-            def settle(timer: decide.Timer) -> Callable[[list], Any]:
-                decision = decided(timer)
-                call = rewritten(decision.candidate) if decision.keep else own
-                replace(call)
-                if on_decided is not None:
-                    on_decided(placed(decision, own))
-                return call
-
-            replace(FirstCall(own, [rewritten(i) for i in timed], settle, first_call, mutated,
-                              written_inputs(program), len(program.inputs)))
-            return PlacedKernels(plans[timed[0]], False, launches - added, "not decided yet: the graph's first "
-                                 "call times both programs on its inputs", reuses_kept=as_written, pending=True)
-    # a measured decision can be revisited over the whole step, which needs inductor's own call at hand
-    own = compat.inductor_generated_call(compiled) if measure is not None else None
-    if decision.keep:
-        replace(rewritten(decision.candidate))
-    return placed(decision, own)
