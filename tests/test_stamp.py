@@ -540,3 +540,21 @@ def test_torch_before_2_13_has_no_inductor_node_streams(monkeypatch):
     assert not compat.has_inductor_node_streams()
     with pytest.raises(RuntimeError, match="needs torch >= 2.13"):
         compat.inductor_stream_ops()
+
+
+def test_several_stream_counts_are_chosen_among_by_the_prediction():
+    """streams="auto" on the stamped route: the prediction chooses among the counts, the fewest streams within 3%
+    of the best (on the CPU roofline the fork-join predicts 2 streams as well as 3), not the most."""
+    from concur.dag import decide
+    from concur.inductor.aten_dag import build_aten_dag
+
+    ref, _ = fork_join_graph()
+    dag = build_aten_dag(ref.graph, CPU)
+    cost = decide.MIN_CLUSTER_LAUNCHES * CPU.kernel_overhead_us
+    predictions = [decide.predict(dag, decide.schedule_graph(dag, k, "critical_path", cost)) for k in (2, 3, 4)]
+    expected = decide.choose("the fork-join", predictions).num_streams
+    gm, _ = fork_join_graph()
+    result = istreams.stamp_graph(gm, options(syncs=False, streams=(2, 3, 4)))
+    assert result.reason is None and result.num_streams == expected == 2, (result, predictions)
+    most, _ = fork_join_graph()
+    assert istreams.stamp_graph(most, options(syncs=False, streams=4)).num_streams == 3

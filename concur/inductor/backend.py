@@ -320,8 +320,8 @@ class ConcurBackend:
         if split:
             gm.recompile()
         try:
-            # "auto" here is the most streams: this route's one program per compile is predicted, never timed
-            options = StreamOptions(max(AUTO_STREAMS) if o.streams == AUTO else o.streams, o.scheduler,
+            # "auto": the prediction chooses among the counts (this route's one program per compile is never timed)
+            options = StreamOptions(AUTO_STREAMS if o.streams == AUTO else o.streams, o.scheduler,
                                     _roofline(o, example_inputs), o.min_predicted_speedup)
             # inductor emits the streams here, so "ordered" is its reuse where that stays within a stream
             with _inductor_reuse(o.buffer_reuse, ordered_reuses=compat.inductor_reuses_within_streams_only()):
@@ -405,8 +405,8 @@ def backend(streams: int | str = 4, scheduler: str = "critical_path", *, rooflin
     all from one compile: timed against each other at the graph's first
     call on CUDA (with ``measure``), the fewest streams within 1% of the
     fastest, and one stream unless that is more than 1% faster; without a
-    GPU, the fewest streams predicted within 3% of the best. The stamped
-    route schedules on up to 4 streams and predicts.
+    GPU, and on the stamped route, the fewest streams predicted within 3%
+    of the best.
 
     A graph whose schedule predicts less than ``min_predicted_speedup`` over
     one stream (kernels sharing the device) runs on one stream, exactly as

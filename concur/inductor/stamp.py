@@ -121,7 +121,7 @@ def event_slot(device_index: int, event: int) -> int:
 class StreamOptions:
     """What the stamping pass schedules with; all of it goes into the pass's uuid."""
 
-    streams: int = 4
+    streams: int | tuple[int, ...] = 4   # several counts (streams="auto"): the prediction chooses among them
     scheduler: str = "critical_path"
     roofline: Roofline | None = None     # None: the route's caller must set one (the backend does)
     min_predicted_speedup: float = decide.MIN_SPEEDUP
@@ -171,17 +171,23 @@ def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int
     roof = options.roofline
     calls = [n for n in graph.nodes if n.op == "call_function"]
     dag = build_aten_dag(graph, roof)
-    if options.streams == 1 or dag.number_of_nodes() < 2:
+    counts = options.streams if isinstance(options.streams, tuple) else (options.streams,)
+    if counts == (1,) or dag.number_of_nodes() < 2:
         return {}, (), StampResult(len(calls), 1, reason="one stream")
-    schedule = decide.schedule_graph(dag, options.streams, options.scheduler,
-                                     decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
-    if schedule.num_streams == 1 or schedule.makespan <= 0:
+    schedules = {}  # stream counts whose schedules coincide are one candidate
+    for k in counts:
+        s = decide.schedule_graph(dag, k, options.scheduler, decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
+        if s.num_streams > 1 and s.makespan > 0:
+            schedules.setdefault((tuple(s.order), tuple(sorted(s.stream.items(), key=repr))), s)
+    candidates = list(schedules.values())
+    if not candidates:
         return {}, (), StampResult(len(calls), 1, reason="the schedule uses one stream")
     # the prediction decides here: timing the one-stream program would take a second compile
-    prediction = decide.predict(dag, schedule)
-    ideal, predicted = prediction.ideal_speedup, prediction.speedup
-    decision = decide.decide(f"a stamped graph of {len(calls)} ops", prediction,
+    predictions = [decide.predict(dag, s) for s in candidates]
+    decision = decide.choose(f"a stamped graph of {len(calls)} ops", predictions,
                              min_speedup=options.min_predicted_speedup)
+    schedule, prediction = candidates[decision.candidate], decision.prediction
+    ideal, predicted = prediction.ideal_speedup, prediction.speedup
     if not decision.keep:
         return {}, (), StampResult(len(calls), 1, ideal_speedup=ideal, predicted_speedup=predicted,
                                    reason=decision.reason)
