@@ -3,10 +3,13 @@
     python -m experiments.auto_fused --models torchvision:vit_b_16 googlenet --batch 64 --out DIR
 
 bf16 autocast with a channels-last model, SGD momentum, as the sweep. Prints
-each model's trials (1, 2, ... streams, compiled, captured, timed by the
-tuner with CUDA events) and the kept stream count, and writes them to
-``DIR/auto_fused.jsonl``. The point is the never-slower rule: the kept
-configuration is never one measured slower than the serial graph.
+each decision ``streams="auto"`` made: per compiled graph, inductor's own
+call (one stream) and the plans on 2, 3 and 4 streams of the same compile,
+timed in the same alternating rounds (``concur.dag.decide.choose``), then the
+step's decision over the whole captured step; writes them to
+``DIR/auto_fused.jsonl``. The point is the never-slower rule: nothing is kept
+that was not measured faster than one stream. (Before 2026-11-25 ``"auto"``
+ran the tuner, which compiled and timed a whole step per stream count.)
 """
 
 from __future__ import annotations
@@ -21,20 +24,27 @@ import torch
 import torch.nn as nn
 
 import concur
-import concur.observe.tuner as tuner_mod
+import concur.dag.decide as decide_mod
 from experiments.sweep_models import build
 
 
+def _row(d: "decide_mod.Decision") -> dict:
+    m = d.measured
+    return dict(streams=d.num_streams, source=d.source, one_stream_ms=m.one_stream_ms if m else None,
+                kept_ms=m.streams_ms if m else None, candidates_ms=list(m.candidates_ms) if m else [],
+                predicted=round(d.prediction.speedup, 4))
+
+
 def measure(name: str, batch: int) -> dict:
-    """Run streams="auto" with compile=True on one model; return its trials and choice."""
-    results = []
-    real = tuner_mod.tune_train_step
+    """Run streams="auto" with compile=True on one model; return each decision it made."""
+    decisions = []
+    real = decide_mod.choose
 
-    def spy(*args, **kwargs):
-        results.append(real(*args, **kwargs))
-        return results[-1]
+    def spy(what, *args, **kwargs):
+        decisions.append((what, real(what, *args, **kwargs)))
+        return decisions[-1][1]
 
-    tuner_mod.tune_train_step = spy
+    decide_mod.choose = spy
     try:
         torch.manual_seed(0)
         model, size = build(name)
@@ -43,18 +53,15 @@ def measure(name: str, batch: int) -> dict:
         x = torch.randn(batch, 3, size, size, device="cuda").to(memory_format=cl)
         y = torch.randint(0, 1000, (batch,), device="cuda")
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        concur.train_step(model, nn.CrossEntropyLoss(), opt, (x, y), streams="auto", compile=True,
-                          amp_dtype=torch.bfloat16)
+        step = concur.train_step(model, nn.CrossEntropyLoss(), opt, (x, y), streams="auto", compile=True,
+                                 amp_dtype=torch.bfloat16)
+        step(x, y)
+        torch.cuda.synchronize()
     finally:
-        tuner_mod.tune_train_step = real
+        decide_mod.choose = real
         torch._dynamo.reset()
-    (result,) = results
-    trials = [dict(streams=t.config.streams, median_ms=t.measurement.median_ms if t.measurement else None,
-                   iqr_ms=t.measurement.iqr_ms if t.measurement else None, error=t.error, seconds=round(t.seconds, 1))
-              for t in result.trials]
-    return dict(model=name, batch=batch, precision="bf16", chosen=result.config.streams, stopped=result.stopped,
-                trials=trials, seconds=round(result.seconds, 1), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__)
+    return dict(model=name, batch=batch, precision="bf16", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                decisions=[dict(what=what, **_row(d)) for what, d in decisions])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,17 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("CONCUR_CACHE_DIR", tempfile.mkdtemp())  # measure, do not read an earlier result
     args.out.mkdir(parents=True, exist_ok=True)
-    print("| model | batch | trials (streams: ms) | kept | kept vs serial |")
-    print("|---|---|---|---|---|")
+    print("| model | batch | decision | one stream ms | 2-4 streams ms | runs on |")
+    print("|---|---|---|---|---|---|")
     for name in args.models:
         row = measure(name, args.batch)
         with open(args.out / "auto_fused.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        times = {t["streams"]: t["median_ms"] for t in row["trials"] if t["median_ms"] is not None}
-        shown = ", ".join(f"{k}: {v:.2f}" for k, v in times.items())
-        kept = times.get(row["chosen"])
-        ratio = f"{times[1] / kept:.3f}x" if kept and 1 in times else "n/a"
-        print(f"| {name} | {args.batch} | {shown} | {row['chosen']} | {ratio} |", flush=True)
+        for d in row["decisions"]:
+            one = f"{d['one_stream_ms']:.3f}" if d["one_stream_ms"] is not None else d["source"]
+            many = ", ".join(f"{t:.3f}" for t in d["candidates_ms"]) or (
+                f"{d['kept_ms']:.3f}" if d["kept_ms"] is not None else "-")
+            print(f"| {name} | {args.batch} | {d['what'][:60]} | {one} | {many} | {d['streams']} |", flush=True)
     return 0
 
 
