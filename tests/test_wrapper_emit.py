@@ -422,3 +422,35 @@ def test_emission_replays_its_steps_with_the_schedulers_checker(program):
     assert good.waits
     with pytest.raises(ValueError, match="breaks a dependency.*not ordered"):
         plan_emission(program, dataclasses.replace(good, waits=good.waits[1:]), dag)
+
+
+def test_stream_counts_whose_schedules_coincide_are_one_candidate_with_the_single_plans_key(monkeypatch):
+    """Two independent convolutions schedule alike on 2, 3 and 4 streams: streams="auto" weighs one candidate,
+    under the key a fixed count gives that plan, so a decision measured for streams=4 serves "auto" too."""
+    from concur import _torch_compat as compat
+    from concur.dag.cost import Roofline
+    from concur.inductor.placement import place_kernels
+
+    source = SERIAL.replace("        mystery(buf0)\n", "")
+    fake_compiled(monkeypatch, source)
+    monkeypatch.setattr(compat, "inductor_generated_call", lambda compiled: lambda args: None)
+    roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
+    costs = {"conv_a": (10.0, {}), "conv_b": (10.0, {})}
+    keys, widths = [], []
+
+    class Cache:
+        def get(self, key):
+            keys.append(key)
+
+        def put(self, key, value):
+            pass
+
+    def measure(one, streams):
+        widths.append(len(streams))
+        return lambda: [(1.0, *[0.5] * len(streams))] * 3
+
+    for streams in (4, (2, 3, 4)):
+        placed = place_kernels(object(), costs, roof, streams, "critical_path", measure=measure, cache=Cache(),
+                               key_parts=("inputs",))
+        assert placed.installed and placed.decision.source == "measurement" and placed.plan.num_streams == 2
+    assert widths == [1, 1] and keys[0] == keys[1], (widths, keys)
