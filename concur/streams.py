@@ -13,8 +13,10 @@ tensors (``keep``) instead of holding references until the join, because
 (1) the allocator then delays reuse only until B's work at the time of the
 free is done, so peak memory stays close to the serial plan's, and (2) the
 same protection covers tensors that autograd saves for backward, which live
-past the join. During CUDA-graph capture the allocator defers such frees to
-the end of capture, which is also safe.
+past the join. During a CUDA-graph capture the allocator by default holds
+such blocks until the capture ends; concur's captures switch on its reuse of
+them once the captured graph orders their readers first
+(:func:`concur._torch_compat.capture_reuses_cross_stream_blocks`).
 
 A plan that splits weight gradients off (:mod:`concur.fx.weight_grads`) has
 one more stream, the weight-gradient stream. No kernel runs on it in forward:
