@@ -64,6 +64,8 @@ MIN_SPEEDUP = 1.0         # a program predicted slower than one stream is never 
 MARGIN = 0.01             # measured: several streams must beat one by this fraction, else one stream
 
 PREDICTED_TIE = 0.03      # without a timer, "auto" takes the fewest streams predicted within this of the best
+AUTO = "auto"
+AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one stream
 
 # The rounds a timer returns: per round, (one stream, several streams), ms of one replay each; with several
 # candidates (choose), (one stream, candidate 0, candidate 1, ...).
@@ -84,6 +86,27 @@ def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_u
         return schedulers.schedule(dag, streams, scheduler)
     coarse = schedulers.coarsen(dag, min_cost=cluster_cost_us)
     return schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, streams, scheduler))
+
+
+def stream_counts(streams: int | str | Sequence[int]) -> tuple[int, ...]:
+    """Return the stream counts a route schedules for ``streams``: ``"auto"`` gives :data:`AUTO_STREAMS`."""
+    if streams == AUTO:
+        return AUTO_STREAMS
+    return (streams,) if isinstance(streams, int) else tuple(streams)
+
+
+def distinct_schedules(dag: nx.DiGraph, counts: Sequence[int], scheduler: str,
+                       cluster_cost_us: float | None = None) -> list[schedulers.Schedule]:
+    """Return :func:`schedule_graph` of ``dag`` on each of ``counts`` streams, schedules that coincide once.
+
+    The candidates :func:`choose` weighs: a graph of two branches schedules
+    alike on 2, 3 and 4 streams, and is one program to time, not three.
+    """
+    distinct: dict[tuple, schedulers.Schedule] = {}
+    for k in counts:
+        s = schedule_graph(dag, k, scheduler, cluster_cost_us)
+        distinct.setdefault((tuple(s.order), tuple(sorted(s.stream.items(), key=repr))), s)
+    return list(distinct.values())
 
 
 @dataclass(frozen=True)
@@ -173,16 +196,6 @@ def decision_key(*parts: Any) -> str:
     return h.hexdigest()[:32]
 
 
-def measured(rounds: Sequence[tuple[float, ...]]) -> Measured:
-    """Return the medians of a timer's rounds (of two programs; :func:`medians` for more).
-
-    Raises:
-        ValueError: no round was timed.
-    """
-    one, *streams = medians(rounds, 2)
-    return Measured(one, streams[0], len(rounds))
-
-
 def medians(rounds: Sequence[tuple[float, ...]], programs: int) -> list[float]:
     """Return each program's median over a timer's rounds of ``programs`` times each.
 
@@ -227,7 +240,7 @@ def choose(what: str, candidates: Sequence[Prediction], *, min_speedup: float = 
         ValueError: no candidate (a concur bug).
     """
     if not candidates:
-        raise ValueError("the timer returned no rounds: there was no candidate program to time")
+        raise ValueError("choose() was given no candidate program (a concur bug, please report it)")
     decision = _choose(what, list(candidates), min_speedup, timer, cache, key, margin, scope)
     if decision.keep:
         log.info("concur: %s runs on %d streams: %s", what, decision.num_streams, decision.reason)

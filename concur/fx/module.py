@@ -22,11 +22,9 @@ from concur.dag.measure import can_time
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
 from concur.fx.decision import cuda_device, decision_key, plan_timer
-from concur.fx.plan import Plan, analyse, device_name, generate_plan, schedule_ops
+from concur.fx.plan import Plan, analyse, device_name, generate_plan, split_prologue
 
 FALLBACKS = ("error", "eager")
-AUTO = "auto"
-AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one stream
 
 
 # What a ConcurModule derives and rebuilds after a copy instead of copying it: the original model's own
@@ -118,15 +116,11 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         o = self._options
         traced, dag = analyse(self.original, inputs, o["cost_model"], o["leaf_modules"])
         self._adopt_constants(traced)
-        counts = AUTO_STREAMS if o["streams"] == AUTO else (o["streams"],)
-        schedules: dict[tuple, schedulers.Schedule] = {}
-        for k in counts:
-            prologue, scheduled, schedule = schedule_ops(dag, k, o["scheduler"])
-            schedules.setdefault((tuple(schedule.order), tuple(sorted(schedule.stream.items()))), schedule)
-        candidates = [s for s in schedules.values() if s.num_streams > 1]
+        prologue, scheduled = split_prologue(dag)
+        schedules = decide.distinct_schedules(scheduled, decide.stream_counts(o["streams"]), o["scheduler"])
+        candidates = [s for s in schedules if s.num_streams > 1]
         if not candidates:
-            return generate_plan(self.original, traced, dag, prologue, next(iter(schedules.values())),
-                                 o["split_weight_grads"])
+            return generate_plan(self.original, traced, dag, prologue, schedules[0], o["split_weight_grads"])
         plans = [generate_plan(self.original, traced, dag, prologue, s, o["split_weight_grads"]) for s in candidates]
         predictions = [decide.predict(scheduled, s) for s in candidates]
         made: list[Plan] = []
@@ -218,7 +212,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError("example_inputs must be a tuple of the model's positional inputs, "
                         f"e.g. (torch.randn(8, 3, 224, 224),); got {type(example_inputs).__name__}")
-    if streams != AUTO and (isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64):
+    if streams != decide.AUTO and (isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64):
         raise ValueError(f"streams must be an int from 1 to 64 or 'auto', got {streams!r}")
     example_inputs = tuple(example_inputs)
     try:

@@ -165,14 +165,18 @@ def hoistable(dag: nx.DiGraph) -> frozenset[str]:
     return frozenset(n for n in dag if is_free_source(dag, n))
 
 
+def split_prologue(dag: nx.DiGraph) -> tuple[frozenset[str], nx.DiGraph]:
+    """Return (the prologue, the DAG without it): the prologue (:func:`hoistable`) runs before the fork, unscheduled."""
+    prologue = hoistable(dag)
+    return prologue, dag.subgraph(n for n in dag if n not in prologue).copy()
+
+
 def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str) -> tuple[frozenset[str], nx.DiGraph, Schedule]:
     """Return (the prologue, the DAG without it, its schedule on up to ``streams`` streams).
 
-    The prologue (:func:`hoistable`) runs before the fork, so it is not
-    scheduled; ops are scheduled one by one (:func:`concur.dag.decide.schedule_graph`).
+    Ops are scheduled one by one (:func:`concur.dag.decide.schedule_graph`).
     """
-    prologue = hoistable(dag)
-    scheduled = dag.subgraph(n for n in dag if n not in prologue).copy()
+    prologue, scheduled = split_prologue(dag)
     return prologue, scheduled, decide.schedule_graph(scheduled, streams, scheduler)
 
 

@@ -45,9 +45,6 @@ from concur.inductor.weight_grads import split_calls, split_convolution_backward
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP
 
-AUTO = "auto"
-AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one stream
-
 BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule orders it (BackendOptions.buffer_reuse)
 
 
@@ -55,7 +52,7 @@ BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule or
 class BackendOptions:
     """How the concur backend schedules and compiles."""
 
-    # up to this many streams; "auto": the schedules on 2, 3 and 4 streams (AUTO_STREAMS), chosen among by
+    # up to this many streams; "auto": the schedules on 2, 3 and 4 streams (decide.AUTO_STREAMS), chosen among by
     # the one decision point (measured on CUDA, predicted elsewhere) with one stream, from one compile
     streams: int | str = 4
     scheduler: str = "critical_path"
@@ -141,7 +138,7 @@ class ConcurBackend:
     """A dynamo backend: ``torch.compile(model, backend=ConcurBackend(BackendOptions(...)))``."""
 
     def __init__(self, options: BackendOptions = BackendOptions()):
-        if options.streams != AUTO and (isinstance(options.streams, bool) or not isinstance(options.streams, int)
+        if options.streams != decide.AUTO and (isinstance(options.streams, bool) or not isinstance(options.streams, int)
                                         or options.streams < 1):
             raise ValueError(f"streams must be a positive int or 'auto', got {options.streams!r}")
         if options.scheduler not in schedulers.SCHEDULERS:
@@ -238,9 +235,8 @@ class ConcurBackend:
                 self._installed[record] = placed.installed_plan
 
         try:
-            counts = AUTO_STREAMS if o.streams == AUTO else o.streams
-            placed = place_kernels(compiled, node_costs, roof, counts, o.scheduler, o.min_predicted_speedup,
-                                   split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
+            placed = place_kernels(compiled, node_costs, roof, decide.stream_counts(o.streams), o.scheduler,
+                                   o.min_predicted_speedup, split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
                                    f"graph of {num_ops} ops", on_decided=on_decided, weight_grad_split=splits,
                                    **self._measuring(example_inputs, is_backward))
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
@@ -321,8 +317,8 @@ class ConcurBackend:
             gm.recompile()
         try:
             # "auto": the prediction chooses among the counts (this route's one program per compile is never timed)
-            options = StreamOptions(AUTO_STREAMS if o.streams == AUTO else o.streams, o.scheduler,
-                                    _roofline(o, example_inputs), o.min_predicted_speedup)
+            options = StreamOptions(decide.stream_counts(o.streams), o.scheduler, _roofline(o, example_inputs),
+                                    o.min_predicted_speedup)
             # inductor emits the streams here, so "ordered" is its reuse where that stays within a stream
             with _inductor_reuse(o.buffer_reuse, ordered_reuses=compat.inductor_reuses_within_streams_only()):
                 done = compile_stamped(gm, example_inputs, options, is_backward, args, kwargs)

@@ -153,17 +153,15 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     check_streams(program)
     dag = launch_dag(program, node_costs, roof.kernel_overhead_us)
     min_cost = decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us
-    counts = (streams,) if isinstance(streams, int) else tuple(streams)
-    schedules: dict[tuple, schedulers.Schedule] = {}  # stream counts whose schedules coincide are one candidate
-    for k in counts:
-        schedule = decide.schedule_graph(dag, k, scheduler, min_cost)
+    counts = decide.stream_counts(streams)
+    schedules = decide.distinct_schedules(dag, counts, scheduler, min_cost)
+    for schedule in schedules:
         problems = schedulers.validate(dag, schedule)
         if problems:
             raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
-        schedules.setdefault((tuple(schedule.order), tuple(sorted(schedule.stream.items(), key=repr))), schedule)
-    candidates = [s for s in schedules.values() if s.num_streams > 1]
+    candidates = [s for s in schedules if s.num_streams > 1]
     if not candidates:
-        plan = plan_emission(program, next(iter(schedules.values())), dag)
+        plan = plan_emission(program, schedules[0], dag)
         return PlacedKernels(plan, False, launches - added, "the schedule uses one stream",
                              serializing_barrier(program, dag, max(counts), scheduler, min_cost), as_written)
     plans = [plan_emission(program, schedule, dag) for schedule in candidates]

@@ -171,15 +171,12 @@ def plan_streams(graph: fx.Graph, options: StreamOptions) -> tuple[dict[str, int
     roof = options.roofline
     calls = [n for n in graph.nodes if n.op == "call_function"]
     dag = build_aten_dag(graph, roof)
-    counts = options.streams if isinstance(options.streams, tuple) else (options.streams,)
+    counts = decide.stream_counts(options.streams)
     if counts == (1,) or dag.number_of_nodes() < 2:
         return {}, (), StampResult(len(calls), 1, reason="one stream")
-    schedules = {}  # stream counts whose schedules coincide are one candidate
-    for k in counts:
-        s = decide.schedule_graph(dag, k, options.scheduler, decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
-        if s.num_streams > 1 and s.makespan > 0:
-            schedules.setdefault((tuple(s.order), tuple(sorted(s.stream.items(), key=repr))), s)
-    candidates = list(schedules.values())
+    candidates = [s for s in decide.distinct_schedules(dag, counts, options.scheduler,
+                                                       decide.MIN_CLUSTER_LAUNCHES * roof.kernel_overhead_us)
+                  if s.num_streams > 1 and s.makespan > 0]
     if not candidates:
         return {}, (), StampResult(len(calls), 1, reason="the schedule uses one stream")
     # the prediction decides here: timing the one-stream program would take a second compile
