@@ -233,7 +233,7 @@ def choose(what: str, candidates: Sequence[Prediction], *, min_speedup: float = 
 
     :func:`decide` with one candidate. Candidates on one stream or
     predicted below ``min_speedup`` are not timed; ``timer`` times one
-    stream and the others, in that order, in each round. The decision's
+    stream and the others (:func:`timed_candidates`), in that order, in each round. The decision's
     ``candidate`` is the index of the chosen program in ``candidates``.
 
     Raises:
@@ -261,12 +261,21 @@ def _by_prediction(ps: Sequence[Prediction]) -> int:
                key=lambda i: (ps[i].num_streams, -ps[i].speedup))
 
 
+def timed_candidates(candidates: Sequence[Prediction], min_speedup: float = MIN_SPEEDUP) -> list[int]:
+    """Return the indices of the candidates :func:`choose` times, in the order its timer must time them.
+
+    Those on several streams predicted at least ``min_speedup`` (a makespan
+    summed in another order is not slower).
+    """
+    return [i for i, p in enumerate(candidates) if p.num_streams > 1 and p.speedup >= min_speedup * (1 - 1e-9)]
+
+
 def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: Timer | None,
             cache: DecisionCache | None, key: str | None, margin: float, scope: str) -> Decision:
     several = [i for i, p in enumerate(candidates) if p.num_streams > 1]
     if not several:
         return Decision(False, candidates[0], None, "prediction", "the schedule uses one stream")
-    worth = [i for i in several if candidates[i].speedup >= min_speedup * (1 - 1e-9)]  # a sum in another order
+    worth = timed_candidates(candidates, min_speedup)
     if not worth:
         best = max(several, key=lambda i: candidates[i].speedup)
         return Decision(False, candidates[best], None, "prediction",

@@ -134,8 +134,8 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         timer, key = None, None
         device = cuda_device(self.original, inputs)
         if o.get("measure", True) and can_time(device):
-            timed = [p for p, pred in zip(plans, predictions) if pred.speedup >= decide.MIN_SPEEDUP * (1 - 1e-9)]
-            timer = plan_timer(self, one_stream, timed or plans[:1], inputs, device)
+            timed = [plans[i] for i in decide.timed_candidates(predictions)]
+            timer = plan_timer(self, one_stream, timed, inputs, device)
             key = decision_key(self.original, traced, inputs, plans, device)
         decision = decide.choose(f"concur.optimize of {type(self.original).__name__}", predictions, timer=timer,
                                  cache=JsonCache() if timer is not None else None, key=key)

@@ -183,15 +183,11 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
         return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
                              decision=decision, convolutions_split=len(split), installed_plan=switch)
 
-    key = decide.decision_key("wrapper", source, *[(s.order, sorted(s.stream.items(), key=repr)) for s in candidates],
-                              *key_parts) if measure is not None else None
-    if len(candidates) == 1:  # the key of a single plan as it always was: its cached decisions stay valid
-        key = decide.decision_key("wrapper", source, candidates[0].order,
-                                  sorted(candidates[0].stream.items(), key=repr), *key_parts) \
-            if measure is not None else None
+    # one plan's key is the key it always had, so its cached decisions stay valid
+    plans_in_key = [x for s in candidates for x in (s.order, sorted(s.stream.items(), key=repr))]
+    key = decide.decision_key("wrapper", source, *plans_in_key, *key_parts) if measure is not None else None
     predictions = [decide.predict(dag, schedule) for schedule in candidates]
-    # the candidates choose() times: those predicted at least min_predicted_speedup
-    timed = [i for i, p in enumerate(predictions) if p.speedup >= min_predicted_speedup * (1 - 1e-9)] or [0]
+    timed = decide.timed_candidates(predictions, min_predicted_speedup)
 
     def decided(timer: decide.Timer | None) -> decide.Decision:
         return decide.choose(f"{label} ({launches} launches)", predictions, min_speedup=min_predicted_speedup,
