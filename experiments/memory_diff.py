@@ -46,6 +46,30 @@ def _live_at_peak_and_end(trace: list) -> tuple[int, dict, dict]:
     return peak, at_peak, live
 
 
+def _reserved_by_stream_at_peak(trace: list) -> tuple[int, dict]:
+    """Reserved memory by stream at the trace's peak of reserved memory, from its segment events."""
+    by_stream, total, peak, at_peak = collections.Counter(), 0, -1, {}
+    for event in trace:
+        sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}.get(event["action"])
+        if sign is None:
+            continue
+        by_stream[event["stream"]] += sign * event["size"]
+        total += sign * event["size"]
+        if total > peak:
+            peak, at_peak = total, dict(by_stream)
+    return peak, {k: v for k, v in at_peak.items() if v}
+
+
+def _held_by_pool_and_stream(segments: list) -> list[tuple[str, float, float]]:
+    """Reserved and allocated memory held once set up, per (memory pool, stream): where a multi-stream pool fragments."""
+    groups = collections.defaultdict(lambda: [0, 0])
+    for seg in segments:
+        g = groups[f"pool {tuple(seg.get('segment_pool_id', (0, 0)))} stream {seg['stream']}"]
+        g[0] += seg["total_size"]
+        g[1] += seg["allocated_size"]
+    return sorted(((k, v[0] / 2**20, v[1] / 2**20) for k, v in groups.items()), key=lambda r: -r[1])
+
+
 def _by_site(live: dict) -> list[tuple[str, float, int]]:
     groups = collections.defaultdict(lambda: [0, 0])
     for e in live.values():
@@ -103,6 +127,15 @@ def main() -> None:
         print(f"  {title}:")
         for site, size_mb, n in rows[title]:
             print(f"    {size_mb:9.1f} MB {n:5d}  {site}")
+    # the caching allocator reuses a freed block only on the stream it was allocated on, in a graph's pool too
+    rows["held_by_pool_stream"] = _held_by_pool_and_stream(snapshot["segments"])
+    print("  reserved / allocated once set up, by pool and stream:")
+    for where, reserved, allocated in rows["held_by_pool_stream"]:
+        print(f"    {reserved:9.1f} / {allocated:9.1f} MB  {where}")
+    reserved_peak, by_stream = _reserved_by_stream_at_peak(trace)
+    rows["setup_reserved_by_stream"] = {str(k): v / 2**20 for k, v in by_stream.items()}
+    print(f"  reserved at its traced peak ({mb(reserved_peak):.1f} MB), by stream: "
+          + ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])))
     # cuBLAS keeps one workspace per (handle, stream) for the life of the process: which streams have one
     workspace = 4096 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG=:4096:8, an H100's default
     rows["workspaces"] = [[f"stream {e.get('stream')}", _site(e.get("frames", []))] for e in end.values()
