@@ -170,32 +170,6 @@ def _alloc_conf_names(key: str) -> bool:
     return any(key in os.environ.get(var, "") for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
 
 
-def _allocator_setter() -> Callable[[str], None] | None:
-    """The caching allocator's settings setter, or None where this torch has none or another backend allocates."""
-    # torch >= 2.10 names the setter per accelerator, and warns on the older CUDA name
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
-    try:
-        native = torch.cuda.get_allocator_backend() == "native"
-    except (RuntimeError, AssertionError, AttributeError):  # a torch built without CUDA
-        return None
-    return setter if setter is not None and torch_version() >= (2, 9) and native else None
-
-
-def captures_reuse_cross_stream_blocks() -> bool:
-    """Whether CUDA-graph captures inside :func:`capture_reuses_cross_stream_blocks` reuse blocks other streams used.
-
-    True where the block switches the option on, or the user's allocator
-    configuration already does; False where it says ``False`` or this torch
-    cannot. Emission asks it: buffers allocated on the caller's stream and
-    used on side streams are only worth it where captures reuse them.
-    """
-    if _allocator_setter() is None:
-        return False
-    conf = ",".join(os.environ.get(var, "") for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
-    return not _alloc_conf_names(_RECORD_STREAM_REUSE) or f"{_RECORD_STREAM_REUSE}:True" in conf.replace(" ", "")
-
-
 @contextlib.contextmanager
 def capture_reuses_cross_stream_blocks() -> Iterator[None]:
     """Inside the block, a CUDA-graph capture reuses the memory of dead buffers other streams read.
@@ -211,8 +185,11 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
     alone where the user's allocator configuration names it, under another
     allocator backend, or where this torch does not know it (nothing changes).
     """
-    setter = _allocator_setter()
-    if setter is None or _alloc_conf_names(_RECORD_STREAM_REUSE):
+    # torch >= 2.10 names the setter per accelerator, and warns on the older CUDA name
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
+    if setter is None or torch_version() < (2, 9) or _alloc_conf_names(_RECORD_STREAM_REUSE) \
+            or torch.cuda.get_allocator_backend() != "native":
         yield
         return
     try:

@@ -29,9 +29,6 @@
 #   mem30          experiments/memory_diff.py (held memory by pool and stream): recipe, concur (4 streams) and concur
 #                  with CONCUR_ALLOCATE_ON_CALLER=1, GoogLeNet b8/b64, Inception-v3 b32, ResNet-50 b8 compiled,
 #                  GoogLeNet b8 unfused; $OUT/mem30.txt, $OUT/mem30*.jsonl, $OUT/mem30_logs.tgz
-#   alloc30        buffers on the caller's stream: memory_diff.py (Inception-v3 b32, GoogLeNet b64 compiled) beside
-#                  tests/test_gpu.py, the lean step, habits, fused envelope (GoogLeNet, ResNet-50) and sanitizer
-#                  (GoogLeNet, Inception-v3); $OUT/alloc30.txt, $OUT/alloc30_logs.tgz, $OUT/alloc30.jsonl
 #   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
@@ -181,17 +178,6 @@ for step in "$@"; do
                  --model $m --batch $b $c --who concur --streams 4 --json $OUT/mem30_caller.jsonl
              done
              end_parallel mem30 "_mb\|Error" 2 400 ;;
-    alloc30) begin_parallel alloc30  # buffers allocated on the caller's stream (the default now): memory, then correctness
-             for spec in "inception_v3 32" "googlenet 64"; do
-               set -- $spec
-               t "mem_$1_b$2_c_caller" python3 experiments/memory_diff.py --model $1 --batch $2 --compile --who concur \
-                 --streams 4 --json $OUT/alloc30.jsonl
-             done
-             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
-             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
-             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
-             fused_checks ordered_reuse "googlenet resnet50" "googlenet inception_v3"
-             end_parallel alloc30 "_mb\| passed\| failed\|Error\|sanitized run finished\|deviation\|memory, " 4 600 ;;
     gap) begin_parallel gap  # who holds the memory (in parallel: allocator stats are per process), then timing alone
              for who in recipe concur; do
                t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/gap_memory.jsonl

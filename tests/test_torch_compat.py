@@ -291,20 +291,3 @@ def test_cross_stream_reuse_leaves_the_users_setting_and_unknown_allocators_alon
     _fake_allocator(monkeypatch, fails=True)  # a torch whose allocator does not know the option: nothing changes
     with compat.capture_reuses_cross_stream_blocks():
         pass
-
-
-def test_emission_allocates_on_the_callers_stream_only_where_captures_reuse_cross_stream_blocks(monkeypatch):
-    from concur.inductor.placement import ALLOCATE_ON_CALLER_SWITCH, allocate_on_caller
-
-    monkeypatch.delenv(ALLOCATE_ON_CALLER_SWITCH, raising=False)
-    _fake_allocator(monkeypatch)
-    assert compat.captures_reuse_cross_stream_blocks() and allocate_on_caller()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "graph_capture_record_stream_reuse:False")
-    assert not compat.captures_reuse_cross_stream_blocks() and not allocate_on_caller()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,graph_capture_record_stream_reuse:True")
-    assert compat.captures_reuse_cross_stream_blocks()
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
-    assert not compat.captures_reuse_cross_stream_blocks()
-    monkeypatch.setenv(ALLOCATE_ON_CALLER_SWITCH, "1")  # the experiments' override
-    assert allocate_on_caller()

@@ -81,28 +81,9 @@ class PlacedKernels:
     installed_plan: InstalledPlan | None = None
 
 
-# CONCUR_ALLOCATE_ON_CALLER=0 or 1 overrides the choice below (experiments/memory_diff.py compares the two)
-ALLOCATE_ON_CALLER_SWITCH = "CONCUR_ALLOCATE_ON_CALLER"
-
-
 def allocate_on_caller() -> bool:
-    """Whether a rewritten call allocates its buffers on the caller's stream instead of on their first writer's.
-
-    The caching allocator hands a freed block only to the stream it was
-    allocated on, so buffers homed on four streams split a captured graph's
-    pool into four: on the H100 the side streams' blocks held 860 MB
-    beside a main pool of the recipe's size (Inception-v3 b32), and
-    allocating on the caller's stream took a fused ResNet-50 b8 step from
-    964 to 844 MB held (the recipe 914; experiments/RESULTS.md). Outputs of
-    extern kernels (convolutions) are still allocated by the kernel on its
-    own stream. Only where captures reuse a block side streams used once
-    the graph orders them (:func:`concur._torch_compat.captures_reuse_cross_stream_blocks`):
-    elsewhere each such block would be held until the capture ends.
-    """
-    forced = os.environ.get(ALLOCATE_ON_CALLER_SWITCH)
-    if forced in ("0", "1"):
-        return forced == "1"
-    return compat.captures_reuse_cross_stream_blocks()
+    """Whether rewritten calls allocate every buffer on the caller's stream (experiment: CONCUR_ALLOCATE_ON_CALLER=1)."""
+    return os.environ.get("CONCUR_ALLOCATE_ON_CALLER", "0") == "1"
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
