@@ -26,9 +26,9 @@
 #                  the fused envelope and sanitizer (GoogLeNet, ResNet-50); $OUT/lean.txt, $OUT/lean_logs.tgz
 #   mem28          experiments/memory_diff.py, recipe and concur (4 streams) side by side: GoogLeNet b8, Inception-v3
 #                  b32, ResNet-50 b8 compiled, GoogLeNet b8 and ResNet-50 b32 unfused; $OUT/mem28.txt, $OUT/mem28.jsonl
-#   mem30          experiments/memory_diff.py (held memory by pool and stream): recipe, concur (4 streams) and concur
-#                  with CONCUR_ALLOCATE_ON_CALLER=1, GoogLeNet b8/b64, Inception-v3 b32, ResNet-50 b8 compiled,
-#                  GoogLeNet b8 unfused; $OUT/mem30.txt, $OUT/mem30*.jsonl, $OUT/mem30_logs.tgz
+#   mem30          experiments/memory_diff.py (held memory by pool and stream): recipe and concur (4 streams),
+#                  GoogLeNet b8/b64, Inception-v3 b32, ResNet-50 b8 compiled, GoogLeNet b8 unfused;
+#                  $OUT/mem30.txt, $OUT/mem30.jsonl, $OUT/mem30_logs.tgz
 #   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
@@ -166,7 +166,7 @@ for step in "$@"; do
                  --streams $s --json $OUT/mem28.jsonl
              done
              end_parallel mem28 "_mb\|Error" 2 400 ;;
-    mem30) begin_parallel mem30  # memory_diff.py: the recipe, concur, and concur allocating on the caller's stream
+    mem30) begin_parallel mem30  # memory_diff.py: the recipe and concur, held memory by pool and stream
              for spec in "googlenet 8 --compile" "googlenet 64 --compile" "inception_v3 32 --compile" \
                          "resnet50 8 --compile" "googlenet 8"; do
                set -- $spec; m=$1; b=$2; c=${3:-}; n="mem_${m}_b${b}${c:+_c}"
@@ -174,8 +174,6 @@ for step in "$@"; do
                  --json $OUT/mem30.jsonl
                t "${n}_concur" python3 experiments/memory_diff.py --model $m --batch $b $c --who concur \
                  --streams 4 --json $OUT/mem30.jsonl
-               [ -n "$c" ] && t "${n}_caller" env CONCUR_ALLOCATE_ON_CALLER=1 python3 experiments/memory_diff.py \
-                 --model $m --batch $b $c --who concur --streams 4 --json $OUT/mem30_caller.jsonl
              done
              end_parallel mem30 "_mb\|Error" 2 400 ;;
     gap) begin_parallel gap  # who holds the memory (in parallel: allocator stats are per process), then timing alone

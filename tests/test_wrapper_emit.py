@@ -454,31 +454,3 @@ def test_stream_counts_whose_schedules_coincide_are_one_candidate_with_the_singl
                                key_parts=("inputs",))
         assert placed.installed and placed.decision.source == "measurement" and placed.plan.num_streams == 2
     assert widths == [1, 1] and keys[0] == keys[1], (widths, keys)
-
-
-def _streams_of_steps(steps):
-    """The stream each step runs on, following the plan's switches."""
-    current, at = 0, []
-    for s in steps:
-        current = s.index if s.op == "switch" else current
-        at.append(current)
-    return at
-
-
-@pytest.mark.parametrize("on_caller", [False, True])
-def test_allocations_go_on_the_callers_stream_when_asked(program, on_caller):
-    # conv_a issues first, so stream 0 stays the caller's; conv_b and cat_b (the first writer of buf3) on stream 1
-    dag = launch_dag(program, {}, default_cost=1.0)
-    conv_b = by_code(program, "buf1 = extern").index
-    cat_b = [s.index for s in program.launches if "cat_1" in str(s.uses)][0]
-    stream = {v: 1 if v in (conv_b, cat_b) else 0 for v in dag}
-    schedule = schedulers.build_schedule(dag, sorted(dag), stream, "test")
-    plan = plan_emission(program, schedule, dag, allocate_on_caller=on_caller)
-    at = _streams_of_steps(plan.steps)
-    alloc = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and _code(s).startswith("buf3 = empty"))
-    cat = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and "cat_1.run(buf1" in _code(s))
-    assert at[cat] == 1 and alloc < cat
-    # one pool for all streams' buffers: the allocator reuses a freed block only on the stream it was allocated on
-    assert at[alloc] == (0 if on_caller else 1)
-    # its home decides which other streams are recorded on it: buf3 is written on both streams
-    assert dict(plan.protect_at_end)["buf3"] == ((1,) if on_caller else (0,))

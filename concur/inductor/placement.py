@@ -25,7 +25,6 @@ graph, which one did it (:func:`serializing_barrier`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -79,11 +78,6 @@ class PlacedKernels:
     convolutions_split: int = 0  # joint convolution backward calls split in what runs (installed plans only)
     # installed plans decided with ``measure`` only: how to switch back to inductor's call
     installed_plan: InstalledPlan | None = None
-
-
-def allocate_on_caller() -> bool:
-    """Whether rewritten calls allocate every buffer on the caller's stream (experiment: CONCUR_ALLOCATE_ON_CALLER=1)."""
-    return os.environ.get("CONCUR_ALLOCATE_ON_CALLER", "0") == "1"
 
 
 def serializing_barrier(program: KernelProgram, dag: nx.DiGraph, streams: int, scheduler: str,
@@ -170,8 +164,7 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
         plan = plan_emission(program, schedules[0], dag)
         return PlacedKernels(plan, False, launches - added, "the schedule uses one stream",
                              serializing_barrier(program, dag, max(counts), scheduler, min_cost), as_written)
-    plans = [plan_emission(program, schedule, dag, allocate_on_caller=allocate_on_caller())
-             for schedule in candidates]
+    plans = [plan_emission(program, schedule, dag) for schedule in candidates]
     built: dict[int, Callable] = {}
 
     def rewritten(i: int) -> Callable:  # built only where something is timed or installed

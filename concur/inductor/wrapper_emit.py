@@ -168,8 +168,7 @@ def _storages(program: KernelProgram, kept: frozenset[int]) -> dict[str, str]:
     return storage
 
 
-def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph, *,
-                  allocate_on_caller: bool = False) -> KernelStreamPlan:
+def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph) -> KernelStreamPlan:
     """Return the rewritten call as steps: launches in schedule order, host statements placed around them.
 
     A split reuse (:attr:`KernelProgram.reuses`) is kept where
@@ -193,7 +192,7 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     fresh = {r.statement: r.fresh for r in program.reuses if r.statement not in kept}
     statements = sorted((fresh.get(s.index, s) if s.kind == "host" else s for s in program.statements),
                         key=lambda s: s.index)
-    sequence = _sequence(program, schedule, statements, allocate_on_caller)
+    sequence = _sequence(program, schedule, statements)
     dels = [s for s in statements if s.kind == "del"]
     emitter = _Emitter(schedule, _storages(program, kept))
     steps = emitter.emit(sequence, _dels_after(sequence, dels))
@@ -206,20 +205,15 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
                             prediction.speedup, program.reuse_lines - len(fresh), len(fresh))
 
 
-def _sequence(program: KernelProgram, schedule: schedulers.Schedule, statements: list[Statement],
-              allocate_on_caller: bool = False) -> list[tuple[Statement, int]]:
+def _sequence(program: KernelProgram, schedule: schedulers.Schedule,
+              statements: list[Statement]) -> list[tuple[Statement, int]]:
     """Return every statement but the ``del``s in issue order, with the stream it runs on.
 
     A host statement goes right before the first launch (in issue order)
     that touches its storage and comes after whatever binds the names it
-    uses, on that launch's stream; one that touches no storage and uses no
-    launch's result goes at the start, one no later launch touches at the
-    end, both on the caller's stream. With ``allocate_on_caller`` a
-    statement that allocates (fresh storage) runs on the caller's stream
-    wherever it goes: the caching allocator hands a freed block only to its
-    own stream, so buffers homed on four streams fragment a graph's pool
-    into four; homed on one, the pool is shared, and each buffer a side
-    stream touched is protected with ``record_stream``.
+    uses; one that touches no storage and uses no launch's result goes at
+    the start, one no later launch touches at the end, both on the caller's
+    stream.
     """
     launches = {s.index: s for s in program.launches}
     position = {v: i for i, v in enumerate(schedule.order)}
@@ -250,7 +244,7 @@ def _sequence(program: KernelProgram, schedule: schedulers.Schedule, statements:
     sequence: list[tuple[Statement, int]] = [(s, 0) for s in hosts_at.get(-1, [])]
     for v in schedule.order:
         stream = schedule.stream[v]
-        sequence += [(s, 0 if allocate_on_caller and s.fresh else stream) for s in hosts_at.get(position[v], [])]
+        sequence += [(s, stream) for s in hosts_at.get(position[v], [])]
         sequence.append((launches[v], stream))
     sequence += [(s, 0) for s in hosts_at.get(end, [])]
     return sequence
