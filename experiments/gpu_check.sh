@@ -29,6 +29,9 @@
 #   mem30          experiments/memory_diff.py (held memory by pool and stream): recipe and concur (4 streams),
 #                  GoogLeNet b8/b64, Inception-v3 b32, ResNet-50 b8 compiled, GoogLeNet b8 unfused;
 #                  $OUT/mem30.txt, $OUT/mem30.jsonl, $OUT/mem30_logs.tgz
+#   pool30         setup's timing pool given back before the step's capture: memory_diff.py (concur, 4 streams: GoogLeNet
+#                  b8, Inception-v3 b32, ResNet-50 b8 compiled; GoogLeNet b8, ResNet-50 b32 unfused) beside the lean-step,
+#                  step-decision and habits tests; $OUT/pool30.txt, $OUT/pool30.jsonl, $OUT/pool30_logs.tgz
 #   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
@@ -176,6 +179,17 @@ for step in "$@"; do
                  --streams 4 --json $OUT/mem30.jsonl
              done
              end_parallel mem30 "_mb\|Error" 2 400 ;;
+    pool30) begin_parallel pool30  # setup's timings in a pool given back before the step's capture: memory, then tests
+             for spec in "googlenet 8 --compile" "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8" \
+                         "resnet50 32"; do
+               set -- $spec; m=$1; b=$2; c=${3:-}
+               t "mem_${m}_b${b}${c:+_c}_concur" python3 experiments/memory_diff.py --model $m --batch $b $c --who concur \
+                 --streams 4 --json $OUT/pool30.jsonl
+             done
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             end_parallel pool30 "_mb\| passed\| failed\|Error\|memory, " 4 600 ;;
     gap) begin_parallel gap  # who holds the memory (in parallel: allocator stats are per process), then timing alone
              for who in recipe concur; do
                t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/gap_memory.jsonl
