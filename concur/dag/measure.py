@@ -99,10 +99,11 @@ def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, r
 
     A caller that captures graphs of its own may pass its ``pool`` and
     ``capture_stream``, or make them the default inside a block
-    (:func:`captures_into`), so that what timing held is reused, not held
-    beside (its warm-up still runs on the stream above); with ``keep``, the
-    last graph is left in that list instead of freed: torch refuses a pool
-    whose graphs are all gone, so the caller holds one until its own capture.
+    (:func:`captures_into`), so that all its timings share one pool it
+    gives back when it chooses (its warm-up still runs on the stream above);
+    with ``keep``, the last graph is left in that list instead of freed:
+    torch refuses a pool whose graphs are all gone, so the caller holds one
+    until it is done timing.
     """
     if pool is None and _CAPTURES_INTO:
         pool, capture_stream, keep = _CAPTURES_INTO[-1]
@@ -155,8 +156,9 @@ def captures_into(pool: Any, capture_stream: torch.cuda.Stream, keep: list) -> I
     ``train_step`` sets up inside one: the graphs compiled during its setup
     time their programs at their first call (:mod:`concur.inductor.first_call`),
     deep below any argument it could pass, and each timing in a pool of its
-    own would stay reserved beside the step's pool until ``empty_cache``.
-    In the step's pool the step's capture reuses it.
+    own would stay reserved until ``empty_cache``. The step's runner gives
+    this one shared timing pool back before its capture
+    (:class:`concur.training.graph_runner.CudaGraphRunner`).
     """
     _CAPTURES_INTO.append((pool, capture_stream, keep))
     try:
