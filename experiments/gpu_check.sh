@@ -100,6 +100,17 @@ fused_checks() {
     t "csan_$m" python3 -m pytest -m cuda -q -s -p no:cacheprovider \
       "tests/test_gpu_backend.py::test_fused_path_under_the_sanitizer_reports_no_race[$m-$1]"
   done; }
+# memory_diffs JSON "WHO ..." "MODEL BATCH [--compile]" ...: experiments/memory_diff.py for each side (recipe, or
+# concur on 4 streams) and configuration, one process each (allocator statistics are per process); logs mem_*.log
+memory_diffs() {
+  local json=$1 whos=$2 spec who m b c; shift 2
+  for spec in "$@"; do
+    read -r m b c <<< "$spec"
+    for who in $whos; do
+      t "mem_${m}_b${b}${c:+_c}_$who" python3 experiments/memory_diff.py --model $m --batch $b $c --who $who \
+        $([ "$who" = concur ] && echo --streams 4) --json "$json"
+    done
+  done; }
 ordered_reuse_checks() { fused_checks ordered_reuse "googlenet inception_v3 resnet50 hrnet_w18_small" \
                            "googlenet inception_v3 resnet50"; }
 for step in "$@"; do
@@ -160,32 +171,16 @@ for step in "$@"; do
              fused_checks ordered_reuse "googlenet resnet50" "googlenet resnet50"
              end_parallel lean " passed\| failed\|Error\|sanitized run finished\|deviation\|first update\|kernels per\|memory, concur" 5 900 ;;
     mem28) begin_parallel mem28  # memory_diff.py per side, one process each (allocator statistics are per process)
-             for spec in "googlenet 8 --compile" "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8" \
-                         "resnet50 32"; do
-               set -- $spec; m=$1; b=$2; c=${3:-}; s=4
-               t "mem_${m}_b${b}${c:+_c}_recipe" python3 experiments/memory_diff.py --model $m --batch $b $c --who recipe \
-                 --json $OUT/mem28.jsonl
-               t "mem_${m}_b${b}${c:+_c}_concur" python3 experiments/memory_diff.py --model $m --batch $b $c --who concur \
-                 --streams $s --json $OUT/mem28.jsonl
-             done
+             memory_diffs $OUT/mem28.jsonl "recipe concur" "googlenet 8 --compile" "inception_v3 32 --compile" \
+               "resnet50 8 --compile" "googlenet 8" "resnet50 32"
              end_parallel mem28 "_mb\|Error" 2 400 ;;
     mem30) begin_parallel mem30  # memory_diff.py: the recipe and concur, held memory by pool and stream
-             for spec in "googlenet 8 --compile" "googlenet 64 --compile" "inception_v3 32 --compile" \
-                         "resnet50 8 --compile" "googlenet 8"; do
-               set -- $spec; m=$1; b=$2; c=${3:-}; n="mem_${m}_b${b}${c:+_c}"
-               t "${n}_recipe" python3 experiments/memory_diff.py --model $m --batch $b $c --who recipe \
-                 --json $OUT/mem30.jsonl
-               t "${n}_concur" python3 experiments/memory_diff.py --model $m --batch $b $c --who concur \
-                 --streams 4 --json $OUT/mem30.jsonl
-             done
+             memory_diffs $OUT/mem30.jsonl "recipe concur" "googlenet 8 --compile" "googlenet 64 --compile" \
+               "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8"
              end_parallel mem30 "_mb\|Error" 2 400 ;;
     pool30) begin_parallel pool30  # setup's timings in a pool given back before the step's capture: memory, then tests
-             for spec in "googlenet 8 --compile" "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8" \
-                         "resnet50 32"; do
-               set -- $spec; m=$1; b=$2; c=${3:-}
-               t "mem_${m}_b${b}${c:+_c}_concur" python3 experiments/memory_diff.py --model $m --batch $b $c --who concur \
-                 --streams 4 --json $OUT/pool30.jsonl
-             done
+             memory_diffs $OUT/pool30.jsonl concur "googlenet 8 --compile" "inception_v3 32 --compile" \
+               "resnet50 8 --compile" "googlenet 8" "resnet50 32"
              t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
              t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
