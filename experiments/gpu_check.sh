@@ -32,6 +32,10 @@
 #   pool30         setup's timing pool given back before the step's capture: memory_diff.py (concur, 4 streams: GoogLeNet
 #                  b8, Inception-v3 b32, ResNet-50 b8 compiled; GoogLeNet b8, ResNet-50 b32 unfused) beside the lean-step,
 #                  step-decision and habits tests; $OUT/pool30.txt, $OUT/pool30.jsonl, $OUT/pool30_logs.tgz
+#   setup31        each timing in a pool of its own given back when it ends, rounds that stop once settled:
+#                  memory_diff.py (concur, 4 streams: GoogLeNet b8/b64, Inception-v3 b32, ResNet-50 b8 compiled;
+#                  GoogLeNet b8, ResNet-50 b32 unfused) beside the lean-step, step-decision and measure tests;
+#                  $OUT/setup31.txt, $OUT/setup31.jsonl, $OUT/setup31_logs.tgz
 #   gap            experiments/memory_diff.py (who holds setup and steady memory, concur vs the recipe) and
 #                  experiments/step_gap.py (streams=1 vs the recipe: replay alone, host time, kernel time by name)
 #   final28        lean step, habits, test_gpu, measured-decision tests, weight grads, fused envelope and sanitizer
@@ -185,6 +189,14 @@ for step in "$@"; do
              t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
              end_parallel pool30 "_mb\| passed\| failed\|Error\|memory, " 4 600 ;;
+    setup31) begin_parallel setup31  # timings in pools given back when each ends: memory, then tests
+             memory_diffs $OUT/setup31.jsonl concur "googlenet 8 --compile" "googlenet 64 --compile" \
+               "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8" "resnet50 32"
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+               tests/test_measure.py tests/test_gpu.py -k "alternating or boxed or optimize_times or auto_streams"
+             end_parallel setup31 "_mb\| passed\| failed\|Error\|memory, " 4 600 ;;
     gap) begin_parallel gap  # who holds the memory (in parallel: allocator stats are per process), then timing alone
              for who in recipe concur; do
                t "mem_r50_eager_$who" python3 experiments/memory_diff.py --who $who --json $OUT/gap_memory.jsonl

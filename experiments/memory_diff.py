@@ -60,6 +60,24 @@ def _reserved_by_stream_at_peak(trace: list) -> tuple[int, dict]:
     return peak, {k: v for k, v in at_peak.items() if v}
 
 
+def _reserved_peak_growth_by_site(trace: list) -> list[tuple[str, float, int]]:
+    """Which lines raised setup's peak of reserved memory: each new segment that took the total above its
+    peak so far, the rise (MB) summed by the allocating site (several pools or streams cache apart)."""
+    groups = collections.defaultdict(lambda: [0, 0])
+    total = peak = 0
+    for event in trace:
+        sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}.get(event["action"])
+        if sign is None:
+            continue
+        total += sign * event["size"]
+        if total > peak:
+            g = groups[f"stream {event['stream']}  " + _site(event.get("frames", []))]
+            g[0] += total - peak
+            g[1] += 1
+            peak = total
+    return sorted(((k, v[0] / 2**20, v[1]) for k, v in groups.items()), key=lambda r: -r[1])
+
+
 def _held_by_pool_and_stream(segments: list) -> list[tuple[str, float, float]]:
     """Reserved and allocated memory held once set up, per (memory pool, stream): where a multi-stream pool fragments."""
     groups = collections.defaultdict(lambda: [0, 0])
@@ -136,6 +154,10 @@ def main() -> None:
     rows["setup_reserved_by_stream"] = {str(k): v / 2**20 for k, v in by_stream.items()}
     print(f"  reserved at its traced peak ({mb(reserved_peak):.1f} MB), by stream: "
           + ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1])))
+    rows["reserved_peak_growth"] = _reserved_peak_growth_by_site(trace)[:12]
+    print("  what raised the reserved peak, by stream and site (MB, new segments):")
+    for site, size_mb, n in rows["reserved_peak_growth"]:
+        print(f"    {size_mb:9.1f} MB {n:5d}  {site}")
     # cuBLAS keeps one workspace per (handle, stream) for the life of the process: which streams have one
     workspace = 4096 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG=:4096:8, an H100's default
     rows["workspaces"] = [[f"stream {e.get('stream')}", _site(e.get("frames", []))] for e in end.values()

@@ -223,3 +223,16 @@ def test_choose_skips_candidates_below_the_gate_and_rejects_rounds_of_another_wi
     assert seen and d.keep and d.candidate == 1, d
     bad = decide.choose("g", low, timer=lambda: [(1.0, 0.5, 0.4)] * 3)
     assert bad.source == "prediction" and "timing failed" in bad.reason, bad
+
+
+def test_a_timing_is_settled_only_when_every_round_gives_the_same_clear_answer():
+    from concur.dag.decide import SETTLED_ROUNDS, settled
+
+    assert not settled([(1.0, 0.5)] * (SETTLED_ROUNDS - 1))  # too few rounds
+    assert settled([(1.0, 0.5)] * SETTLED_ROUNDS)  # faster by far more than twice the margin
+    assert settled([(1.0, 1.2)] * SETTLED_ROUNDS)  # slower: dropped
+    assert settled([(1.0, 1.2, 1.1)] * SETTLED_ROUNDS)  # every candidate slower: dropped, whichever is best
+    assert not settled([(1.0, 0.5, 0.6)] * SETTLED_ROUNDS)  # the pick among faster candidates: every round
+    assert not settled([(1.0, 0.99)] * SETTLED_ROUNDS)  # inside the margin's band
+    assert not settled([(1.0, 0.5), (1.0, 1.2), (1.0, 0.5)])  # rounds disagree
+    assert not settled([(0.0, 0.5)] * SETTLED_ROUNDS)  # a round that timed nothing

@@ -43,7 +43,6 @@ def test_the_step_times_its_plans_once_trains_as_eager_and_a_second_setup_reads_
     (decision,) = step.step_decisions
     assert decision.source == "measurement" and decision.measured is not None, decision
     print(f"\nGoogLeNet b16 fp32, the step: {decision.reason}")
-    assert not step._runner._held  # the timing graph kept for the shared pool is gone after the step's capture
     backend = step.backends[4]
     on_streams = [g for g in backend.graphs if g.num_streams > 1]
     assert bool(on_streams) == decision.keep, backend.graphs

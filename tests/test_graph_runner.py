@@ -1,64 +1,30 @@
-"""The graph runner's pools, with torch.cuda's graph API faked (CPU): what setup times is captured in a pool given
-back before the step's capture, so a step holds only what its own graphs need (concur.training.graph_runner)."""
+"""The graph runner's pools, with torch.cuda's graph API faked (CPU): what setup times is captured in a pool of its
+own, given back when each timing ends, so neither setup nor the step holds it (concur.training.graph_runner,
+concur.dag.measure.replay_rounds)."""
 
 from __future__ import annotations
-
-import contextlib
-import itertools
 
 import torch
 
 from concur.training import graph_runner
+from tests.fake_cuda_graphs import fake_cuda
 
 
-class _FakeStream:
-    cuda_stream = 1
-
-    def __init__(self, priority: int = 0):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-
-def _fake_cuda(monkeypatch, runner) -> list[tuple[str, object, int]]:
-    """Fake the CUDA calls the runner makes; return the log of (what, pool, timing graphs held at the time)."""
-    log: list[tuple[str, object, int]] = []
-    handles = itertools.count()
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(handles)))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-
-    @contextlib.contextmanager
-    def graph(g, pool=None, stream=None):
-        log.append(("capture", pool, len(runner._held)))  # torch.cuda.graph empties the cache here
-        yield
-
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-
-    def replays(one, streams, device, warmup=1, *, pool=None, capture_stream=None, keep=None):
-        log.append(("timing", pool, len(runner._held)))
-        keep[:] = ["a timing graph"]
-        return [(1.0, 0.9)]
-
-    monkeypatch.setattr(graph_runner, "alternating_replays", replays)
-    return log
-
-
-def test_setup_times_in_a_pool_of_its_own_given_back_before_the_steps_capture(monkeypatch):
+def test_each_timing_captures_in_a_pool_of_its_own_given_back_when_it_ends(monkeypatch):
+    cuda = fake_cuda(monkeypatch)
     runner = graph_runner.CudaGraphRunner(priority=False)
-    log = _fake_cuda(monkeypatch, runner)
     device = torch.device("cuda")
     runner.time_programs(lambda: None, lambda: None, device)
     runner.time_programs(lambda: None, lambda: None, device)
-    runner.capture(lambda: "out", step=None)
+    step_graph, _ = runner.capture(lambda: "out", step=None)
     runner.time_programs(lambda: None, lambda: None, device)  # a second input shape's setup
-    runner.capture(lambda: "out", step=None)
-    (t1, t2, c1, t3, c2) = log
-    assert t1[1] == t2[1]  # the timings of one setup share a pool
-    assert c1[1] != t1[1] and c2[1] == c1[1]  # the step's graphs share theirs, apart from the timing pool
-    assert c1[2] == 0 and c2[2] == 0  # no timing graph holds the timing pool once the step captures
-    assert t3[1] not in (t1[1], c1[1])  # the next setup times in a new pool: torch refuses a pool with no graph left
+    second_graph, _ = runner.capture(lambda: "out", step=None)
+    captures = [pool for what, pool in cuda.log if what == "capture"]
+    t1, t1b, t2, t2b, c1, t3, t3b, c2 = captures
+    assert t1 == t1b and t2 == t2b and t3 == t3b  # the two programs of one timing share its pool
+    assert len({t1, t2, t3, c1}) == 4  # every timing has its own, none is the step's
+    assert c2 == c1  # the step's graphs share theirs
+    # after each timing its graphs are gone and the cache emptied: only the step's graphs stay alive
+    emptied = [alive for what, alive in cuda.log if what == "empty_cache"]
+    assert emptied[:2] == [0, 0] and emptied[3] == 1, cuda.log
+    assert cuda.alive() == 2 and step_graph is not second_graph

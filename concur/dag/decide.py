@@ -63,6 +63,7 @@ MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launch
 MIN_SPEEDUP = 1.0         # a program predicted slower than one stream is never kept, nor timed
 MARGIN = 0.01             # measured: several streams must beat one by this fraction, else one stream
 
+SETTLED_ROUNDS = 3        # a timing may stop after this many rounds if each gave the same clear answer (settled)
 PREDICTED_TIE = 0.03      # without a timer, "auto" takes the fewest streams predicted within this of the best
 AUTO = "auto"
 AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one stream
@@ -207,6 +208,24 @@ def medians(rounds: Sequence[tuple[float, ...]], programs: int) -> list[float]:
     if any(len(r) != programs for r in rounds):
         raise ValueError(f"the timer returned rounds of {sorted({len(r) for r in rounds})} times, not {programs}")
     return [statistics.median(r[i] for r in rounds) for i in range(programs)]
+
+
+def settled(rounds: Sequence[tuple[float, ...]], margin: float = MARGIN) -> bool:
+    """Whether rounds timed so far (one stream first in each) already give the decision more rounds would give.
+
+    True after :data:`SETTLED_ROUNDS` or more rounds where every round says
+    the same with room to spare: every candidate slower than one stream
+    (dropped, whichever candidate is best), or the only candidate faster by
+    twice ``margin``. Between those, and for the pick among several
+    candidates that beat one stream, all the rounds are timed: there the
+    median decides by a little, and a round is a setup cost of a few steps.
+    """
+    if len(rounds) < SETTLED_ROUNDS or any(len(r) < 2 or r[0] <= 0 for r in rounds):
+        return False
+    ratios = [min(r[1:]) / r[0] for r in rounds]  # best candidate over one stream, per round
+    if all(x > 1.0 for x in ratios):
+        return True
+    return all(len(r) == 2 for r in rounds) and all(x < 1 - 2 * margin for x in ratios)
 
 
 def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDUP, timer: Timer | None = None,

@@ -26,11 +26,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from concur import _torch_compat as compat
+from concur.dag import decide
 from concur.dag.decide import Timer
 
-ROUNDS = 7     # rounds of alternating replays; the decision takes their median
+ROUNDS = 7     # at most this many rounds of alternating replays; the decision takes their median
 REPLAYS = 5    # replays of each program per round, timed as one interval
-WARMUP = 3     # calls of each program before capture (allocator, autotuning, lazy init)
+# calls of each program before capture: one loads its kernels, makes cuBLAS's handle for each stream and runs
+# inductor's autotuning, which a capture cannot; the times come from replays, which no later call changes
+WARMUP = 1
 # CONCUR_MEASURE=0 leaves every decision to the prediction, as on a machine without a GPU.
 ENVIRONMENT_SWITCH = "CONCUR_MEASURE"
 # CONCUR_MEASURE_LOCK=PATH: processes sharing a GPU take turns to time (an exclusive lock on PATH), so that
@@ -71,42 +74,43 @@ def environment(device: torch.device) -> tuple[str, str, str | None]:
 
 
 def alternating_replays(one_stream: Callable[[], Any], streams: Callable[[], Any], device: torch.device,
-                        rounds: int = ROUNDS, replays: int = REPLAYS, warmup: int = WARMUP, *, pool: Any = None,
-                        capture_stream: torch.cuda.Stream | None = None,
-                        keep: list | None = None) -> list[tuple[float, float]]:
+                        rounds: int = ROUNDS, replays: int = REPLAYS, warmup: int = WARMUP, *,
+                        capture_stream: torch.cuda.Stream | None = None) -> list[tuple[float, float]]:
     """Return, per round, the ms of one replay of ``one_stream`` and of ``streams``: :func:`replay_rounds` of two."""
-    return replay_rounds((one_stream, streams), device, rounds, replays, warmup, pool=pool,  # type: ignore[return-value]
-                         capture_stream=capture_stream, keep=keep)
+    return replay_rounds((one_stream, streams), device, rounds, replays, warmup,  # type: ignore[return-value]
+                         capture_stream=capture_stream)
 
 
 def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, rounds: int = ROUNDS,
-                  replays: int = REPLAYS, warmup: int = WARMUP, *, pool: Any = None,
-                  capture_stream: torch.cuda.Stream | None = None,
-                  keep: list | None = None) -> list[tuple[float, ...]]:
+                  replays: int = REPLAYS, warmup: int = WARMUP, *, capture_stream: torch.cuda.Stream | None = None,
+                  settled: Callable[[Sequence[tuple[float, ...]]], bool] | None = decide.settled
+                  ) -> list[tuple[float, ...]]:
     """Return, per round, the ms of one replay of each program, each captured in a CUDA graph.
 
     Every callable runs its program on fixed inputs (a CUDA graph replays
     the same addresses). Round ``r`` times a block of replays of each, in
     the order rotated by ``r`` (two programs: first-second, then
-    second-first), so a clock or temperature drift falls on all alike.
+    second-first), so a clock or temperature drift falls on all alike. The
+    rounds stop early where ``settled`` says more could not change the
+    decision (:func:`concur.dag.decide.settled`): each round costs a
+    setup ``replays`` steps per program.
+
     Warm-up and capture run on one stream that is not the device's default
     stream, as ``torch.cuda.graph`` requires: the caller's own where it is a
     side stream already (``train_step`` sets up on one), else a side stream
     kept per device. Each new stream would cost a cuBLAS workspace (32 MiB
     on an H100) and cached blocks of its own, held for the life of the
-    process. The graphs share one memory pool, which is safe because they
-    never run at once and nobody reads their outputs.
+    process. A caller may name the ``capture_stream``, or make it the
+    default inside a block (:func:`captures_into`).
 
-    A caller that captures graphs of its own may pass its ``pool`` and
-    ``capture_stream``, or make them the default inside a block
-    (:func:`captures_into`), so that all its timings share one pool it
-    gives back when it chooses (its warm-up still runs on the stream above);
-    with ``keep``, the last graph is left in that list instead of freed:
-    torch refuses a pool whose graphs are all gone, so the caller holds one
-    until it is done timing.
+    The graphs share one memory pool of their own, which is safe because
+    they never run at once and nobody reads their outputs; it is given back
+    before this returns, graphs freed and the cache emptied, so that no
+    timing's memory stays reserved beside what runs next (the rest of
+    setup, or the next graph's timing).
     """
-    if pool is None and _CAPTURES_INTO:
-        pool, capture_stream, keep = _CAPTURES_INTO[-1]
+    if capture_stream is None and _CAPTURES_INTO:
+        capture_stream = _CAPTURES_INTO[-1]
     with torch.cuda.device(device), gpu_turn():
         caller = torch.cuda.current_stream()
         work = caller if caller != torch.cuda.default_stream() else _side_stream(device)
@@ -115,52 +119,62 @@ def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, r
             for _ in range(warmup):
                 for program in programs:
                     program()
-        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         capture_stream = work if capture_stream is None else capture_stream
-        graphs = []
-        for program in programs:
-            graph = torch.cuda.CUDAGraph()
-            with compat.capture_reuses_cross_stream_blocks(), \
-                    torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                program()
-            graphs.append(graph)
+        try:
+            times = _timed_rounds(programs, rounds, replays, capture_stream, settled)
+        finally:
+            # the graphs are gone (the pool's last users): give its blocks back to the device
+            torch.cuda.empty_cache()
         caller.wait_stream(work)
         caller.wait_stream(capture_stream)
-        n = len(graphs)
-        times: list[tuple[float, ...]] = []
-        for r in range(rounds):
-            ms = [0.0] * n
-            for i in [(r + k) % n for k in range(n)]:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(replays):
-                    graphs[i].replay()
-                end.record()
-                end.synchronize()
-                ms[i] = start.elapsed_time(end) / replays
-            times.append(tuple(ms))
-        if keep is not None:
-            keep[:] = graphs[-1:]
-        del graphs
         return times
 
 
-# (pool, capture stream, keep) of the innermost captures_into block, for replay_rounds
-_CAPTURES_INTO: list[tuple[Any, torch.cuda.Stream, list]] = []
+def _timed_rounds(programs: Sequence[Callable[[], Any]], rounds: int, replays: int,
+                  capture_stream: torch.cuda.Stream,
+                  settled: Callable[[Sequence[tuple[float, ...]]], bool] | None) -> list[tuple[float, ...]]:
+    """Capture each program into one new pool and time alternating rounds; the graphs die with this frame."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for program in programs:
+        graphs.append(torch.cuda.CUDAGraph())
+        with compat.capture_reuses_cross_stream_blocks(), \
+                torch.cuda.graph(graphs[-1], pool=pool, stream=capture_stream):
+            program()
+    torch.cuda.current_stream().wait_stream(capture_stream)
+    n = len(graphs)
+    times: list[tuple[float, ...]] = []
+    for r in range(rounds):
+        ms = [0.0] * n
+        for i in [(r + k) % n for k in range(n)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graphs[i].replay()
+            end.record()
+            end.synchronize()
+            ms[i] = start.elapsed_time(end) / replays
+        times.append(tuple(ms))
+        if settled is not None and settled(times):
+            break
+    return times
+
+
+# the capture stream of the innermost captures_into block, for replay_rounds
+_CAPTURES_INTO: list[torch.cuda.Stream] = []
 
 
 @contextlib.contextmanager
-def captures_into(pool: Any, capture_stream: torch.cuda.Stream, keep: list) -> Iterator[None]:
-    """Inside the block, timing captures its graphs into ``pool`` on ``capture_stream`` and holds one in ``keep``.
+def captures_into(capture_stream: torch.cuda.Stream) -> Iterator[None]:
+    """Inside the block, timing captures its graphs on ``capture_stream``.
 
     ``train_step`` sets up inside one: the graphs compiled during its setup
     time their programs at their first call (:mod:`concur.inductor.first_call`),
-    deep below any argument it could pass, and each timing in a pool of its
-    own would stay reserved until ``empty_cache``. The step's runner gives
-    this one shared timing pool back before its capture
+    deep below any argument it could pass, and their multi-stream programs
+    should run beneath the step's stream priority as they will in the step
     (:class:`concur.training.graph_runner.CudaGraphRunner`).
     """
-    _CAPTURES_INTO.append((pool, capture_stream, keep))
+    _CAPTURES_INTO.append(capture_stream)
     try:
         yield
     finally:

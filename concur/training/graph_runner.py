@@ -8,12 +8,13 @@ graph's outputs (loss, gradients) stay referenced by its ``Captured`` for as
 long as the graph lives, so no later capture is handed their memory.
 
 The programs setup times (each graph's candidates, the step with and without
-its plans) are captured in a pool of their own, shared among them, and given
-back before the step's capture. In the step's pool, what the candidates left
-there (the blocks of a dropped plan's side streams, a pool grown to the
-largest candidate) stayed reserved for as long as the step lived: on the
-H100 an unfused ResNet-50 b32 whose plan was dropped held 4084 MB against
-the recipe's 1920 (experiments/RESULTS.md).
+its plans) are captured on the same stream but never in the step's pool:
+each timing has a pool of its own, given back when it ends
+(:func:`concur.dag.measure.replay_rounds`). In the step's pool, what the
+candidates left there (the blocks of a dropped plan's side streams, a pool
+grown to the largest candidate) stayed reserved for as long as the step
+lived: on the H100 an unfused ResNet-50 b32 whose plan was dropped held
+4084 MB against the recipe's 1920 (experiments/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -74,8 +75,6 @@ class CudaGraphRunner:
         self.priority = priority
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None  # the step's graphs'
-        self._timing_pool: Any = None  # setup's timing graphs', given back at each capture
-        self._held: list = []  # a timing graph that keeps the timing pool alive until the next capture
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -86,9 +85,9 @@ class CudaGraphRunner:
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
-        """Run the block on :attr:`stream`; graphs timed in it (a compiled graph's first call) use the timing pool."""
+        """Run the block on :attr:`stream`; graphs timed in it (a compiled graph's first call) capture on it too."""
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream), captures_into(self._timing_pool_handle(), self.stream, self._held):
+        with torch.cuda.stream(self.stream), captures_into(self.stream):
             yield
         torch.cuda.current_stream().wait_stream(self.stream)
 
@@ -97,20 +96,7 @@ class CudaGraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def _timing_pool_handle(self) -> Any:
-        if self._timing_pool is None:
-            self._timing_pool = torch.cuda.graph_pool_handle()
-        return self._timing_pool
-
-    def _release_timing(self) -> None:
-        """Free the timing graph that kept the timing pool alive; the next timing gets a new pool (torch
-        refuses to capture into a pool whose graphs are all gone)."""
-        self._held.clear()
-        self._timing_pool = None
-
     def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
-        # torch.cuda.graph empties the cache on entry, so the timing pool is given back before the step's grows
-        self._release_timing()
         graph = torch.cuda.CUDAGraph()
         with compat.capture_reuses_cross_stream_blocks(), \
                 torch.cuda.graph(graph, pool=self._pool_handle(), stream=self.stream):
@@ -129,19 +115,16 @@ class CudaGraphRunner:
         """Return alternating rounds of two programs, each captured as this runner captures a step.
 
         Same stream as the step's capture, so the programs' side streams run
-        below its priority, as in the step; the timing pool, given back
-        before the step's capture. One timing graph is held until then:
-        torch refuses to capture into a pool whose graphs are all gone.
+        below its priority, as in the step; a pool of the timing's own, given
+        back when it ends.
         """
         with self.side_stream():
-            return alternating_replays(one_stream, streams, device, warmup=1, pool=self._timing_pool_handle(),
-                                       capture_stream=self.stream, keep=self._held)
+            return alternating_replays(one_stream, streams, device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
     def failed(self) -> None:
-        self._release_timing()  # a failed capture keeps no timing graph (nor its pool) alive
         torch.cuda.empty_cache()
 
 
