@@ -232,3 +232,26 @@ def test_a_saved_step_keeps_its_arguments_by_name_and_loads_the_old_positional_f
     old = TrainStep.__new__(TrainStep)  # a step saved before arguments were saved by name: a positional tuple
     old.__setstate__({"arguments": tuple(state["arguments"][name] for name in _ARGUMENTS), "micro": 1})
     assert old.accumulate == 3 and old.requested_streams == 2 and old.micro == 1
+
+
+def test_the_unfused_plan_is_annotated_and_timed_in_the_steps_precision(monkeypatch):
+    """With amp_dtype the fx path costs (and, on a GPU, times) its plan under the step's autocast: a plan judged in
+    float32 serves a bfloat16 step with half its memory traffic, and its timing held twice the activations."""
+    import concur.fx.module as fx_module
+
+    seen = []
+    real = fx_module.analyse
+
+    def recording(model, inputs, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(fx_module, "analyse", recording)
+    torch.manual_seed(0)
+    model = WideNet(branches=4)
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+    with pytest.warns(UserWarning, match="no CUDA"):
+        step = concur.train_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                                 streams=4, amp_dtype=torch.bfloat16)
+    step(*batch)
+    assert seen and all(s == (True, torch.bfloat16) for s in seen), seen

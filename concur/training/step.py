@@ -170,7 +170,8 @@ class TrainStep:
                                                  **self.compile_options)
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
-                with self.setup_stream():  # the run that annotates the plan
+                # the runs that annotate and time the plan: on setup's stream, in the step's precision
+                with self.setup_stream(), self._body.autocast(self._example):
                     self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
                                                          scheduler=self.scheduler,
                                                          split_weight_grads=self.split_weight_grads)

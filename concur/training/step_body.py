@@ -13,6 +13,8 @@ called (:mod:`concur.training.captured_optim`).
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,12 +41,22 @@ class StepBody:
     def loss(self, module: nn.Module, inputs: tuple, targets: Any) -> torch.Tensor:
         """Return the loss of forward and ``loss_fn``, under autocast when ``amp_dtype`` is set (backward runs
         outside it)."""
-        if self.amp_dtype is None:
+        with self.autocast(inputs):
             return self.loss_fn(module(*inputs), targets)
+
+    def autocast(self, inputs: tuple) -> contextlib.AbstractContextManager:
+        """The precision the step's forward runs in: autocast to ``amp_dtype`` where it is set, else nothing.
+
+        Whatever runs the model for the step outside :meth:`loss` (the fx
+        path annotating its plan and timing it) runs in it too: a plan costed
+        and timed in float32 would be judged on twice the memory traffic of
+        the bfloat16 step it serves.
+        """
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
         device = "cuda" if any(t.is_cuda for t in tensors_in(inputs)) else "cpu"
         # cache_enabled=False: autocast's weight-cast cache must not outlive a CUDA-graph capture
-        with torch.autocast(device, dtype=self.amp_dtype, cache_enabled=False):
-            return self.loss_fn(module(*inputs), targets)
+        return torch.autocast(device, dtype=self.amp_dtype, cache_enabled=False)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / k).backward()``, through the loss scaler when there is one."""
