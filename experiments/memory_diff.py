@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+from typing import Iterator
 
 import torch
 
@@ -46,15 +47,23 @@ def _live_at_peak_and_end(trace: list) -> tuple[int, dict, dict]:
     return peak, at_peak, live
 
 
+_SEGMENT_SIGN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def _segment_changes(trace: list) -> Iterator[tuple[dict, int]]:
+    """Each event of the trace that changes reserved memory, with the bytes it adds (negative: gives back)."""
+    for event in trace:
+        sign = _SEGMENT_SIGN.get(event["action"])
+        if sign is not None:
+            yield event, sign * event["size"]
+
+
 def _reserved_by_stream_at_peak(trace: list) -> tuple[int, dict]:
     """Reserved memory by stream at the trace's peak of reserved memory, from its segment events."""
     by_stream, total, peak, at_peak = collections.Counter(), 0, -1, {}
-    for event in trace:
-        sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}.get(event["action"])
-        if sign is None:
-            continue
-        by_stream[event["stream"]] += sign * event["size"]
-        total += sign * event["size"]
+    for event, size in _segment_changes(trace):
+        by_stream[event["stream"]] += size
+        total += size
         if total > peak:
             peak, at_peak = total, dict(by_stream)
     return peak, {k: v for k, v in at_peak.items() if v}
@@ -65,11 +74,8 @@ def _reserved_peak_growth_by_site(trace: list) -> list[tuple[str, float, int]]:
     peak so far, the rise (MB) summed by the allocating site (several pools or streams cache apart)."""
     groups = collections.defaultdict(lambda: [0, 0])
     total = peak = 0
-    for event in trace:
-        sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}.get(event["action"])
-        if sign is None:
-            continue
-        total += sign * event["size"]
+    for event, size in _segment_changes(trace):
+        total += size
         if total > peak:
             g = groups[f"stream {event['stream']}  " + _site(event.get("frames", []))]
             g[0] += total - peak

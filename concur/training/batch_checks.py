@@ -144,7 +144,7 @@ class BatchChecks:
         devices = {t.device for t in tensors_in((inputs, targets))} | {p.device for p in model.parameters()}
         output = None
         try:
-            with step.setup_stream(), preserved_state(model, devices), torch.no_grad(), self._autocast(inputs):
+            with step.setup_stream(), preserved_state(model, devices), torch.no_grad(), step._body.autocast(inputs):
                 output = model(*inputs)
                 loss = step.loss_fn(output, targets)
         except (torch.OutOfMemoryError, MemoryError):
@@ -165,15 +165,9 @@ class BatchChecks:
         """Return the innermost submodule raising on ``inputs``: the model runs again, under hooks (failures only)."""
         found: list[str] = []
         with contextlib.suppress(Exception), self.step.setup_stream(), preserved_state(self.step.model, devices), \
-                torch.no_grad(), self._autocast(inputs), _innermost_module(self.step.model, found):
+                torch.no_grad(), self.step._body.autocast(inputs), _innermost_module(self.step.model, found):
             self.step.model(*inputs)
         return found[0] if found else "the model"
-
-    def _autocast(self, inputs: tuple):
-        if self.step.amp_dtype is None:
-            return contextlib.nullcontext()
-        device = "cuda" if any(t.is_cuda for t in tensors_in(inputs)) else "cpu"
-        return torch.autocast(device, dtype=self.step.amp_dtype, cache_enabled=False)
 
     def _model_error(self, cause: Exception, inputs: tuple, names: _Names, where: str,
                      setup: bool) -> ConcurError:

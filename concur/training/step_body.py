@@ -14,7 +14,6 @@ called (:mod:`concur.training.captured_optim`).
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from typing import Any, Callable
 
