@@ -54,6 +54,8 @@
 #   setup29        experiments/setup_cost.py: what the measured decisions add to setup (timing on against off, warm
 #                  inductor cache), fused GoogLeNet b32 on 4 streams and "auto", fused ResNet-50 b32, unfused
 #                  GoogLeNet b32, one at a time; $OUT/setup29.txt, $OUT/setup29.jsonl
+#   profile29      experiments/setup_cost.py --profile: where an unfused setup's seconds go, timing on and off
+#                  (GoogLeNet and ResNet-50 b32, 4 streams), then setup29 of the same two; $OUT/profile29.txt
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -271,6 +273,11 @@ for step in "$@"; do
                  --batch $2 --streams $3 ${4:-} --json "$OUT/setup29.jsonl" 2>&1 | grep -v Warning | tail -3 \
                  | tee -a "$OUT/setup29.txt"
              done ;;
+    profile29) for m in googlenet resnet50; do for on in 1 0; do
+                 python3 -m experiments.setup_cost --model $m --batch 32 --streams 4 --profile --measure $on 2>&1 \
+                   | grep -v Warning >> "$OUT/profile29.txt"
+               done; done
+               SETUP29_SPECS="googlenet 32 4;resnet50 32 4" bash "$0" setup29 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python -m experiments.setup_cost --model googlenet --batch 32 [--compile] [--streams 4|auto]
         [--json out.jsonl]
+    PYTHONPATH=. python -m experiments.setup_cost --model googlenet --batch 32 --profile [--measure 0]
+
+``--profile`` builds one step in this process under cProfile and prints the
+calls that took the most time (cumulative): where setup's seconds go.
 
 Issue 29 allows the measurements at most 10% of setup time. Each side runs in
 a process of its own (inductor's in-process caches would favour the second),
@@ -45,6 +49,21 @@ def _one(args: argparse.Namespace) -> float:
     return time.perf_counter() - start
 
 
+def _profile(args: argparse.Namespace) -> None:
+    """Print where one setup (this process, decision cache empty) spends its time, by cumulative seconds."""
+    import cProfile
+    import pstats
+
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["CONCUR_CACHE_DIR"] = cache
+        os.environ["CONCUR_MEASURE"] = args.measure
+        profile = cProfile.Profile()
+        seconds = profile.runcall(_one, args)
+    print(f"setup {seconds:.3f} s, CONCUR_MEASURE={args.measure}")
+    stats = pstats.Stats(profile).sort_stats("cumulative")
+    stats.print_stats(r"concur|graphs\.py|memory\.py|measure|replay|capture|synchron|empty_cache", 45)
+
+
 def _child(args: argparse.Namespace, measure: bool, cache: str) -> float:
     command = [sys.executable, "-m", "experiments.setup_cost", "--child", "--model", args.model, "--batch",
                str(args.batch), "--streams", args.streams] + (["--compile"] if args.compile else [])
@@ -61,8 +80,13 @@ def main() -> None:
     ap.add_argument("--streams", default="4")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile one setup in this process")
+    ap.add_argument("--measure", default="1", help="with --profile: CONCUR_MEASURE (1 times decisions, 0 not)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.profile:
+        _profile(args)
+        return
     if args.child:
         print(f"{_one(args):.3f}")
         return
