@@ -56,6 +56,10 @@
 #                  GoogLeNet b32, one at a time; $OUT/setup29.txt, $OUT/setup29.jsonl
 #   profile29      experiments/setup_cost.py --profile: where an unfused setup's seconds go, timing on and off
 #                  (GoogLeNet and ResNet-50 b32, 4 streams), then setup29 of the same two; $OUT/profile29.txt
+#   trial29        an unfused step times its programs on its first calls (concur.training.trial): tests/test_gpu.py,
+#                  the habits, lean-step, step-decision and weight-gradient tests and memory_diff.py (recipe and
+#                  concur, GoogLeNet b8/b64, ResNet-50 b32 unfused) side by side; $OUT/trial29.txt,
+#                  $OUT/trial29.jsonl, $OUT/trial29_logs.tgz (setup29 with SETUP29_SPECS times its setup cost)
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -278,6 +282,14 @@ for step in "$@"; do
                    | grep -v Warning >> "$OUT/profile29.txt"
                done; done
                SETUP29_SPECS="googlenet 32 4;resnet50 32 4" bash "$0" setup29 ;;
+    trial29) begin_parallel trial29
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             memory_diffs "$OUT/trial29.jsonl" "recipe concur" "googlenet 8" "googlenet 64" "resnet50 32"
+             end_parallel trial29 " passed\| failed\|Error\|trial:\|memory, \|held_reserved" 4 700 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

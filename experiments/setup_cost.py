@@ -14,7 +14,10 @@ so the second pair compares setups that differ only by the timing (a warm
 compile, as a user's second run). Timing on uses an empty decision cache, so
 every decision is timed, not read back. Setup is the wall time of building
 the step and its first call (compile, first-call timings, the step's
-decision, warm-up and capture), synchronized.
+decision, warm-up and capture), synchronized; and of the same through
+``--calls`` calls, since an unfused step times its programs on its first
+calls (:mod:`concur.training.trial`): what those calls cost beyond steady
+replays (the slower program's share, a capture after a drop) counts too.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def _one(args: argparse.Namespace) -> float:
                              amp_dtype=torch.bfloat16, compile=args.compile)
     step(*batch)
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    first = time.perf_counter() - start
+    for _ in range(args.calls - 1):
+        step(*batch)
+    torch.cuda.synchronize()
+    return first, time.perf_counter() - start
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -58,19 +65,21 @@ def _profile(args: argparse.Namespace) -> None:
         os.environ["CONCUR_CACHE_DIR"] = cache
         os.environ["CONCUR_MEASURE"] = args.measure
         profile = cProfile.Profile()
-        seconds = profile.runcall(_one, args)
+        seconds, _ = profile.runcall(_one, args)
     print(f"setup {seconds:.3f} s, CONCUR_MEASURE={args.measure}")
     stats = pstats.Stats(profile).sort_stats("cumulative")
     stats.print_stats(r"concur|graphs\.py|memory\.py|measure|replay|capture|synchron|empty_cache", 45)
 
 
-def _child(args: argparse.Namespace, measure: bool, cache: str) -> float:
+def _child(args: argparse.Namespace, measure: bool, cache: str) -> tuple[float, float]:
     command = [sys.executable, "-m", "experiments.setup_cost", "--child", "--model", args.model, "--batch",
-               str(args.batch), "--streams", args.streams] + (["--compile"] if args.compile else [])
+               str(args.batch), "--streams", args.streams, "--calls", str(args.calls)] + \
+        (["--compile"] if args.compile else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CONCUR_MEASURE": "1" if measure else "0",
            "CONCUR_CACHE_DIR": cache}
     out = subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=900)
-    return float(out.stdout.strip().splitlines()[-1])
+    first, through = out.stdout.strip().splitlines()[-1].split()
+    return float(first), float(through)
 
 
 def main() -> None:
@@ -79,6 +88,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--streams", default="4")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--calls", type=int, default=40,
+                    help="also time setup through this many calls: train_step's unfused decision is timed on its "
+                         "first calls")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one setup in this process")
     ap.add_argument("--measure", default="1", help="with --profile: CONCUR_MEASURE (1 times decisions, 0 not)")
@@ -88,20 +100,23 @@ def main() -> None:
         _profile(args)
         return
     if args.child:
-        print(f"{_one(args):.3f}")
+        print("%.3f %.3f" % _one(args))
         return
-    seconds = {}
+    seconds, through = {}, {}
     for run, measure in (("cold off", False), ("cold on", True), ("off", False), ("on", True)):
         with tempfile.TemporaryDirectory() as cache:  # no decision read back: every one is timed
-            seconds[run] = _child(args, measure, cache)
+            seconds[run], through[run] = _child(args, measure, cache)
     share = seconds["on"] / seconds["off"] - 1
+    share_calls = through["on"] / through["off"] - 1
     label = f"{args.model} b{args.batch} {'fused' if args.compile else 'unfused'} streams={args.streams}"
-    print(f"{label}: setup {seconds['off']:.1f} s without timing, {seconds['on']:.1f} s with it ({share:+.1%}); "
-          f"cold {seconds['cold off']:.1f} / {seconds['cold on']:.1f} s")
+    print(f"{label}: setup {seconds['off']:.2f} s without timing, {seconds['on']:.2f} s with it ({share:+.1%}); "
+          f"through {args.calls} calls {through['off']:.2f} / {through['on']:.2f} s ({share_calls:+.1%}); "
+          f"cold {seconds['cold off']:.2f} / {seconds['cold on']:.2f} s")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps({"label": label, **{k.replace(' ', '_') + '_s': v for k, v in seconds.items()},
-                                "measurement_share": share}) + "\n")
+                                **{k.replace(' ', '_') + f'_{args.calls}_calls_s': v for k, v in through.items()},
+                                "measurement_share": share, "measurement_share_calls": share_calls}) + "\n")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,33 @@ def test_train_step_smaller_last_batch_gets_its_own_graph():
     assert deviation[0] < 1e-5 and (deviation <= allowed).all()
 
 
+def test_train_step_times_its_programs_on_its_first_calls(tmp_path, monkeypatch):
+    """Unfused on CUDA, nothing cached: the first calls replay each program in turn, timed; then one graph stays.
+
+    Every call is a real step, whichever program it replays: the run stays
+    within the eager loop's envelope throughout.
+    """
+    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
+    make, size, batch = MODELS["googlenet"]
+    torch.manual_seed(0)
+    model = make().cuda().train()
+    ref, twin = copy.deepcopy(model), perturbed(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
+                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(40)]
+    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    opt = make_opt(model.parameters())
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4)
+    losses = torch.tensor(_train(model, opt, batches, step))
+    (decision,) = step.step_decisions
+    print(f"trial: {decision.reason}")
+    assert decision.source == "measurement" and decision.measured.rounds >= 3
+    assert not step.deciding and len(step.graphs) == 1
+    expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
+    envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
+    assert_within_envelope("googlenet/trial", losses, expected, envelope, model, ref, twin)
+
+
 def _googlenet_with_dropout(p=0.5):
     return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False, dropout=p)
 

@@ -260,7 +260,11 @@ def choose(what: str, candidates: Sequence[Prediction], *, min_speedup: float = 
     """
     if not candidates:
         raise ValueError("choose() was given no candidate program (a concur bug, please report it)")
-    decision = _choose(what, list(candidates), min_speedup, timer, cache, key, margin, scope)
+    return _logged(what, _choose(what, list(candidates), min_speedup, timer, cache, key, margin, scope))
+
+
+def _logged(what: str, decision: Decision) -> Decision:
+    """Log the one INFO line of ``decision``; return it."""
     if decision.keep:
         log.info("concur: %s runs on %d streams: %s", what, decision.num_streams, decision.reason)
     else:
@@ -273,7 +277,7 @@ def _predicted(p: Prediction) -> str:
             f"{p.num_streams} ({p.speedup:.2f}x, kernels sharing the device)")
 
 
-def _by_prediction(ps: Sequence[Prediction]) -> int:
+def by_prediction(ps: Sequence[Prediction]) -> int:
     """Index of the fewest streams predicted within :data:`PREDICTED_TIE` of the best prediction."""
     best = max(p.speedup for p in ps)
     return min((i for i, p in enumerate(ps) if p.speedup >= best * (1 - PREDICTED_TIE)),
@@ -300,28 +304,18 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
         return Decision(False, candidates[best], None, "prediction",
                         f"{_predicted(candidates[best])}, below {min_speedup:g}x", best)
     if timer is None:
-        i = worth[_by_prediction([candidates[i] for i in worth])]
+        i = worth[by_prediction([candidates[i] for i in worth])]
         return Decision(True, candidates[i], None, "prediction",
                         f"{_predicted(candidates[i])}; not timed (no GPU to time it on)", i)
-    stored = cache.get(key) if cache is not None and key is not None else None
+    stored = _stored(candidates, cache, key, margin)
     if stored is not None:
-        try:
-            i = int(stored.get("candidate", 0))
-            m = Measured(float(stored["one_stream_ms"]), float(stored["streams_ms"]), int(stored["rounds"]),
-                         tuple(float(t) for t in stored.get("candidates_ms", ())))
-            keep = bool(stored["keep"])
-            p = candidates[i]
-        except (KeyError, TypeError, ValueError, IndexError):
-            pass  # an entry of another format: time again
-        else:
-            return Decision(keep, p, m, "cache", f"{_compared(m, keep, margin, p)} (cached measurement); "
-                            f"{_predicted(p)}", i)
+        return stored
     try:
         rounds = timer()
         one, *times = medians(rounds, 1 + len(worth))
     except Exception as exc:  # noqa: BLE001 - a program that cannot be timed is judged as without a GPU
         why = (str(exc).splitlines() or [""])[0][:200]
-        i = worth[_by_prediction([candidates[i] for i in worth])]
+        i = worth[by_prediction([candidates[i] for i in worth])]
         return Decision(True, candidates[i], None, "prediction",
                         f"{_predicted(candidates[i])}; timing failed ({type(exc).__name__}: {why})", i)
     fastest = min(times)
@@ -341,6 +335,35 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
             entry.update(candidate=i, candidates_ms=list(m.candidates_ms))
         cache.put(key, entry)
     return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin, p)}; {_predicted(p)}", i)
+
+
+def cached_choice(what: str, candidates: Sequence[Prediction], cache: DecisionCache, key: str,
+                  margin: float = MARGIN) -> Decision | None:
+    """Return the measured decision among ``candidates`` that ``cache`` holds under ``key``, logged; else None.
+
+    For a caller that times later than it builds (``train_step``'s first
+    steps, :mod:`concur.training.trial`): a decision measured before is
+    taken now, as :func:`choose` would take it, and only a new one waits
+    for the timing, which then goes through :func:`choose`.
+    """
+    decision = _stored(list(candidates), cache, key, margin)
+    return None if decision is None else _logged(what, decision)
+
+
+def _stored(candidates: list[Prediction], cache: DecisionCache | None, key: str | None,
+            margin: float) -> Decision | None:
+    stored = cache.get(key) if cache is not None and key is not None else None
+    if stored is None:
+        return None
+    try:
+        i = int(stored.get("candidate", 0))
+        m = Measured(float(stored["one_stream_ms"]), float(stored["streams_ms"]), int(stored["rounds"]),
+                     tuple(float(t) for t in stored.get("candidates_ms", ())))
+        keep = bool(stored["keep"])
+        p = candidates[i]
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None  # an entry of another format: time again
+    return Decision(keep, p, m, "cache", f"{_compared(m, keep, margin, p)} (cached measurement); {_predicted(p)}", i)
 
 
 def _compared(m: Measured, keep: bool, margin: float, p: Prediction) -> str:

@@ -1,5 +1,9 @@
 """What the fx path hands :func:`concur.dag.decide.decide` on a GPU: a timer of its two plans and a cache key.
 
+Or, where the caller times the plans itself in its own first steps
+(``train_step``, :mod:`concur.training.trial`), a :class:`PendingChoice`:
+the plans to time, and what settles the decision once they are timed.
+
 All plans come from one trace (:func:`concur.fx.plan.generate_plan`): the
 multi-stream plans (several with ``streams="auto"``) and the one-stream plan
 they would fall back to. The timer
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -20,6 +25,7 @@ import torch.nn as nn
 
 from concur.dag import decide
 from concur.dag.annotate import preserved_state, tensors_in
+from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import environment, replay_rounds
 from concur.fx.plan import Plan
 
@@ -72,13 +78,15 @@ def plan_timer(module: nn.Module, one_stream: Callable[[], Plan], streams: Seque
 
 
 def decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plans: Sequence[Plan],
-                 device: torch.device) -> str:
+                 device: torch.device, *timed_as: str) -> str:
     """Return the cache key of a measured decision: graph, modules, shapes and dtypes, precision, plan, GPU, torch.
 
     The traced code names the modules it calls; their settings
     (``extra_repr``), modes and parameter shapes and dtypes, the inputs'
     shapes, strides and dtypes, autocast and grad mode say what each call
     computes, so a new batch size, dtype or model finds no stale decision.
+    ``timed_as`` names another way of timing the plans (whole training
+    steps), whose decisions are kept apart.
     """
     modules = tuple((name, type(m).__qualname__, m.extra_repr(), m.training) for name, m in model.named_modules())
     state = tuple((name, tuple(t.shape), str(t.dtype)) for name, t in
@@ -90,4 +98,42 @@ def decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plans:
     candidates = [x for plan in plans for x in (plan.schedule.order, sorted(plan.schedule.stream.items()),
                                                 plan.weight_grad_splits)]
     return decide.decision_key("fx", traced.code, modules, state, shapes, precision, *candidates,
-                               environment(device), decide.MARGIN)
+                               environment(device), decide.MARGIN, *timed_as)
+
+
+@dataclass
+class PendingChoice:
+    """A decision :func:`concur.dag.decide.choose` makes once the caller has timed the plans.
+
+    ``programs`` are the plans to time, one stream first, in the order of
+    each timed round's times; ``plans[i]`` is the plan of ``predictions[i]``.
+    Until it is settled the module runs ``plans[default]``, the candidate
+    the prediction picks.
+    """
+
+    what: str
+    predictions: list[decide.Prediction]
+    plans: list[Plan]
+    timed: list[int]  # indices of the candidates timed, in the order of their times in a round
+    one_stream: Plan
+    key: str
+    default: int
+
+    @property
+    def programs(self) -> list[Plan]:
+        """The plans a round times: one stream, then each timed candidate."""
+        return [self.one_stream, *(self.plans[i] for i in self.timed)]
+
+    def program_of_default(self) -> int:
+        """Return the index in :attr:`programs` of the plan the module runs until the choice is settled."""
+        return 1 + self.timed.index(self.default)
+
+    def program_of(self, decision: decide.Decision) -> int:
+        """Return the index in :attr:`programs` of the plan ``decision`` runs (0: one stream)."""
+        return 1 + self.timed.index(decision.candidate) if decision.keep else 0
+
+    def settle(self, rounds: Sequence[tuple[float, ...]]) -> tuple[decide.Decision, Plan]:
+        """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs."""
+        decision = decide.choose(f"{self.what}, timed on the step's first calls", self.predictions, timer=lambda: rounds, cache=JsonCache(), key=self.key,
+                                 scope="step")
+        return decision, self.plans[decision.candidate] if decision.keep else self.one_stream

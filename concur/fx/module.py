@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect as pyinspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -21,16 +21,19 @@ from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
-from concur.fx.decision import cuda_device, decision_key, plan_timer
+from concur.fx.decision import PendingChoice, cuda_device, decision_key, plan_timer
 from concur.fx.plan import Plan, analyse, device_name, generate_plan, split_prologue
 
 FALLBACKS = ("error", "eager")
+# measure=DEFERRED: where a new decision is to be timed, the caller times it (train_step's first steps), see
+# ConcurModule.pending_choice
+DEFERRED = "deferred"
 
 
 # What a ConcurModule derives and rebuilds after a copy instead of copying it: the original model's own
 # dicts it shares (compat.share_module_state), a compiled call bound to it, and its plans.
 _DERIVED = frozenset(compat.MODULE_SHARED_STATE) | {compat.MODULE_COMPILED_CALL, "original", "_options", "_plans",
-                                                    "_plan_attrs"}
+                                                    "_plan_attrs", "_pending"}
 
 
 class ConcurModule(compat.StateDictOfOriginal, nn.Module):
@@ -72,6 +75,7 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         self._options = options
         self._plans: dict[tuple[bool, ...], Plan] = {}
         self._plan_attrs: set[str] = set()  # attributes a plan put on self: not the user's, not copied
+        self._pending: dict[tuple[bool, ...], PendingChoice] = {}  # measure=DEFERRED: decisions left to time
 
     @property
     def training(self) -> bool:  # type: ignore[override]
@@ -133,11 +137,25 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
         timer, key = None, None
         device = cuda_device(self.original, inputs)
-        if o.get("measure", True) and can_time(device):
+        what = f"concur.optimize of {type(self.original).__name__}"
+        if o.get("measure", True) == DEFERRED:
+            # the caller, which can time (it says so), times the plans in its own first steps where nothing
+            # is cached for them
+            timed = decide.timed_candidates(predictions)
+            if timed:
+                key = decision_key(self.original, traced, inputs, plans, device or torch.device("cpu"), "train_step")
+                cached = decide.cached_choice(what, predictions, JsonCache(), key)
+                if cached is not None:
+                    return plans[cached.candidate] if cached.keep else one_stream()
+                default = timed[decide.by_prediction([predictions[i] for i in timed])]
+                self._pending[self._mode_key()] = PendingChoice(what, predictions, plans, timed, one_stream(), key,
+                                                                default)
+                return plans[default]
+        if o.get("measure", True) and o.get("measure") != DEFERRED and can_time(device):
             timed = [plans[i] for i in decide.timed_candidates(predictions)]
             timer = plan_timer(self, one_stream, timed, inputs, device)
             key = decision_key(self.original, traced, inputs, plans, device)
-        decision = decide.choose(f"concur.optimize of {type(self.original).__name__}", predictions, timer=timer,
+        decision = decide.choose(what, predictions, timer=timer,
                                  cache=JsonCache() if timer is not None else None, key=key)
         return plans[decision.candidate] if decision.keep else one_stream()
 
@@ -161,6 +179,22 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
             self._plan_attrs.add(plan.runtime_attr)
             self._plans[key] = plan
         return plan
+
+    def pending_choice(self) -> PendingChoice | None:
+        """The current mode's decision left to the caller to time (``measure=DEFERRED``), or None."""
+        return self._pending.get(self._mode_key())
+
+    def run_plan(self, plan: Plan) -> None:
+        """Run ``plan`` in the current mode from now on: one of its pending choice's programs, while timing them."""
+        self._plan_attrs.add(plan.runtime_attr)
+        self._plans[self._mode_key()] = plan
+
+    def settle(self, rounds: Sequence[tuple[float, ...]]) -> decide.Decision:
+        """Decide the current mode's pending choice on the caller's timed ``rounds``; run the plan it picks."""
+        choice = self._pending.pop(self._mode_key())
+        decision, plan = choice.settle(rounds)
+        self.run_plan(plan)
+        return decision
 
     @property
     def plan(self) -> Plan:

@@ -26,10 +26,12 @@ import torch
 import torch.nn as nn
 
 from concur import _torch_compat as compat
+from concur.fx.decision import PendingChoice
 from concur.training import captured_optim
 from concur.training.gradients import optimized_parameters
 from concur.training.graph_runner import Captured
 from concur.training.snapshot import Snapshot
+from concur.training.trial import StepTrial
 
 # Each function takes the step, a TrainStep: typed Any, since concur.training.step imports this module.
 
@@ -47,7 +49,14 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
     attempts = [s for s in dict.fromkeys([step.requested_streams, 1]) if s not in step.failed_streams]
     for streams in attempts:
         try:
-            captured = capture(step, inputs, targets, streams, phase)
+            choice = trial_choice(step, streams)
+            if choice is not None:
+                step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
+                captured = step._trial.programs[choice.program_of_default()]
+            else:
+                # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
+                captured = capture(step, inputs, targets, streams, phase,
+                                   warmup=1 if key in step.warmed_keys else None)
         except Exception as exc:  # OOM or an op that cannot be captured
             step._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
@@ -69,9 +78,39 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
                             "shapes, cycle positions, train/eval or frozen states); evicting the least "
                             "recently used.")
         step.graphs[key] = captured
+        step.warmed_keys.add(key)
         return captured
     step.eager_keys.add(key)
     return None
+
+
+def trial_choice(step: Any, streams: int | str) -> PendingChoice | None:
+    """The decision ``step``'s first calls time (:mod:`concur.training.trial`), where this capture starts it."""
+    if step._trial is not None or step.graphs or step.compile:
+        return None
+    return getattr(step._module(streams), "pending_choice", lambda: None)()
+
+
+def capture_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+                  phase: tuple[bool, bool], choice: PendingChoice) -> StepTrial:
+    """Capture the step once with each of ``choice``'s programs, one stream first; return their trial.
+
+    They share the step's pool. The caching allocator reuses a free block
+    only on the stream that allocated it, so the one-stream program goes
+    first: the others' caller-stream buffers reuse its blocks and only their
+    side-stream buffers add to the pool. Later programs warm up with one
+    pass (the first did the lazy initialisation; the pass makes their side
+    streams' own). The module runs the predicted candidate again afterwards,
+    for any other graph captured before the trial ends.
+    """
+    module = step._module(streams)
+    programs = choice.programs
+    captured: list[Captured] = []
+    for i, program in enumerate(programs):
+        module.run_plan(program)
+        captured.append(capture(step, inputs, targets, streams, phase, warmup=None if i == 0 else 1))
+    module.run_plan(programs[choice.program_of_default()])
+    return StepTrial(key, captured)
 
 
 def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any,
@@ -87,8 +126,12 @@ def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any
     return reached
 
 
-def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool]) -> Captured:
+def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
+            warmup: int | None = None) -> Captured:
     """Warm up on the side stream, capture, and put back what warm-up changed; return the captured graph.
+
+    ``warmup`` passes (the step's ``warmup`` where None) of forward and
+    backward, or of whole steps, run before the capture.
 
     The lean case (``accumulate=1``, the step's own update, no
     ``before_step``) warms up forward and backward only, and the update on
@@ -97,6 +140,7 @@ def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[b
     """
     module = step._module(streams)
     runner = step._runner
+    warmup = step.warmup if warmup is None else warmup
     fresh = step.accumulate == 1
     lean = fresh and step._hyper is not None and step.before_step is None
     optimized = set(optimized_parameters(step.optimizer))
@@ -121,11 +165,11 @@ def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[b
             body = functools.partial(step._body.micro_step, module, static_inputs, static_targets, phase,
                                      optimized_parameters(step.optimizer), owned, update)
             if lean:
-                for _ in range(step.warmup - 1):
+                for _ in range(warmup - 1):
                     backward_from_none(step, module, static_inputs, static_targets, optimized)
                 getattr(update, "warm_up", lambda: None)()
             else:
-                for _ in range(max(step.warmup - 1, 1)):  # at least one step: optimizers make state lazily
+                for _ in range(max(warmup - 1, 1)):  # at least one step: optimizers make state lazily
                     body()
         if fresh:
             for p in optimized:  # free warm-up's gradients before capture, for the graph's own

@@ -106,6 +106,19 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         return graph, out
 
+    def timed_replay(self, graph: Any) -> "EventTiming":
+        """Replay ``graph`` on the current stream between two CUDA events; read its time once they complete."""
+        timing = EventTiming()
+        timing.start.record()
+        graph.replay()
+        timing.end.record()
+        return timing
+
+    def new_pool(self) -> None:
+        """Capture later graphs into a new pool; the old one goes back to the device with the next capture's
+        :meth:`capture` (which empties the cache), once its graphs and their tensors are freed."""
+        self._pool = None
+
     def can_time(self, device: torch.device) -> bool:
         """Whether :meth:`time_programs` can time on ``device`` now (:func:`concur.dag.measure.can_time`)."""
         return can_time(device)
@@ -126,6 +139,21 @@ class CudaGraphRunner:
 
     def failed(self) -> None:
         torch.cuda.empty_cache()
+
+
+class EventTiming:
+    """The GPU time of one replay, from a pair of CUDA events (:class:`concur.training.trial.ReplayTiming`)."""
+
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def done(self) -> bool:
+        """Whether the replay has finished on the device (never waits)."""
+        return self.end.query()
+
+    def ms(self) -> float:
+        return self.start.elapsed_time(self.end)
 
 
 def graph_runner(on_cuda: bool, priority: bool) -> CudaGraphRunner | None:

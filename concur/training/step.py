@@ -57,6 +57,7 @@ from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
 from concur.training.step_body import BeforeStep, StepBody
 from concur.training.step_streams import decide_step_streams
+from concur.training.trial import StepTrial, several_ranks
 
 # train_step's arguments by name; also the order in which steps pickled before 2026-11-24 saved them
 _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
@@ -135,8 +136,11 @@ class TrainStep:
         self._last_baked: tuple | None = None
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.eager_keys: set[tuple] = set()
-        # compile=True: the decisions over the whole step (concur.training.step_streams)
+        self.warmed_keys: set[tuple] = set()  # graph keys captured before: a capture again warms up once
+        # the decisions over the whole step: compile=True (concur.training.step_streams), or unfused, on the first
+        # calls (concur.training.trial)
         self.step_decisions: list[decide.Decision] = []
+        self._trial: StepTrial | None = None
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict:
@@ -158,6 +162,17 @@ class TrainStep:
         self.micro = state["micro"]
 
     @property
+    def deciding(self) -> bool:
+        """Whether the step's calls are still timing its programs against each other (:mod:`concur.training.trial`).
+
+        An unfused captured step with nothing cached for its plan replays its
+        one-stream and multi-stream programs in turn on its first calls (each
+        a real training step) until their times decide; a benchmark warms up
+        until this is False, so that it times the program the step keeps.
+        """
+        return self._trial is not None
+
+    @property
     def module(self) -> nn.Module:
         """The concurrent module with the requested stream count."""
         return self._module(self.requested_streams)
@@ -174,8 +189,21 @@ class TrainStep:
                 with self.setup_stream(), self._body.autocast(self._example):
                     self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
                                                          scheduler=self.scheduler,
-                                                         split_weight_grads=self.split_weight_grads)
+                                                         split_weight_grads=self.split_weight_grads,
+                                                         measure=api.DEFERRED if self._can_trial() else True)
         return self.modules[streams]
+
+    def _can_trial(self) -> bool:
+        """Whether a new decision between plans is timed on the first calls (:mod:`concur.training.trial`).
+
+        Captured single-rank steps without accumulation: ranks must replay
+        the same program every call, and the graphs of an accumulation cycle
+        add into one set of gradients.
+        """
+        if self._runner is None or self.accumulate != 1 or several_ranks():
+            return False
+        device = next((t.device for t in tensors_in(self._example) if t.is_cuda), torch.device("cpu"))
+        return self._runner.can_time(device)
 
     def setup_stream(self) -> contextlib.AbstractContextManager:
         """Where setup runs the model outside warm-up (annotating the plan, trying a batch): the warm-up's stream.
@@ -219,6 +247,8 @@ class TrainStep:
         if self._fingerprint.tree_changed():
             self.modules.clear()
             self.backends.clear()
+            self._trial = None
+            self.warmed_keys.clear()
 
     def _state_key(self) -> tuple:
         """What a captured step depends on besides input shapes (:class:`ModelFingerprint`)."""
@@ -242,16 +272,45 @@ class TrainStep:
             return self._body.eager(inputs, targets, self._module(1), phase)
         if captured is not self._gradients.bound:
             self.graphs.move_to_end(key)
+        trial = self._trial if self._trial is not None and self._trial.key == key else None
+        if trial is not None:
+            program, captured = trial.next_program()
         if self._hyper is not None:
             self._hyper.refresh()
         if not phase[0]:
             self._gradients.carry_into(captured)
         for static, new in zip(captured.static_batch, batch):
             static.copy_(new, non_blocking=True)
-        captured.graph.replay()
+        if trial is None:
+            captured.graph.replay()
+        else:
+            trial.replayed(program, self._runner.timed_replay(captured.graph))
         self._gradients.bind(captured)
         # A clone: the static loss is overwritten by the next replay, and users keep losses.
-        return captured.static_loss.detach().clone()
+        loss = captured.static_loss.detach().clone()
+        if trial is not None:
+            self._settle_trial(trial)
+        return loss
+
+    def _settle_trial(self, trial: StepTrial) -> None:
+        """Where the trial's rounds decide, keep the chosen program's graph and free the others'."""
+        rounds = trial.decided()
+        if rounds is None:
+            return
+        self._trial = None
+        module = self.modules[self.requested_streams]
+        choice = module.pending_choice()
+        decision = module.settle(rounds)
+        self.step_decisions.append(decision)
+        if not decision.keep:
+            # captured again in a new pool: the old one holds the multi-stream programs' side-stream blocks
+            self.graphs.clear()
+            self._gradients.bound = None
+            self._runner.new_pool()
+            return
+        if decision.candidate != choice.default:  # graphs captured during the trial ran the default plan
+            self.graphs.clear()
+        self.graphs[trial.key] = trial.programs[choice.program_of(decision)]
 
     def _warn_if_values_are_baked(self, values: tuple) -> None:
         # Same groups, other values (a new group is a new layout, not a schedule).
@@ -359,6 +418,15 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
 
     ``max_graphs`` bounds the cached graphs per position of the accumulation
     cycle (least recently used are evicted).
+
+    On CUDA, whether a plan of several streams beats one stream is measured,
+    not assumed, and cached on disk per graph, shapes, GPU and torch
+    (``CONCUR_MEASURE=0`` leaves it to the prediction). A captured unfused
+    step without accumulation measures on its own first calls: it captures
+    the step once per program and replays them in turn, each call a real
+    training step, until their CUDA-event times decide (16 calls or more;
+    :attr:`TrainStep.deciding` says when it is done); then only the faster
+    graph stays. Other steps time their programs during setup.
     """
     check_arguments(example_batch, grad_scaler, accumulate, before_step)
     check_streams(streams, compile, compile_options)

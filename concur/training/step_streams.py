@@ -30,6 +30,7 @@ import torch
 from concur.dag import decide
 from concur.dag.disk_cache import JsonCache
 from concur.inductor.backend import ConcurBackend
+from concur.training.trial import several_ranks
 
 
 class ProgramTimer(Protocol):
@@ -55,7 +56,7 @@ def decide_step_streams(backend: ConcurBackend, forward_backward: Callable[[], A
     ``key_parts`` (what the step adds outside the graphs).
     """
     plans = backend.installed_plans()
-    if not plans or not backend.options.measure or not timer.can_time(device) or _several_ranks():
+    if not plans or not backend.options.measure or not timer.can_time(device) or several_ranks():
         backend.keep_installed_plans()
         return None
     keys = [p.key for p in plans]
@@ -80,8 +81,3 @@ def decide_step_streams(backend: ConcurBackend, forward_backward: Callable[[], A
         backend.drop_installed_plans(f"the whole step was not faster on streams: {decision.reason}",
                                      decided_by=f"step {decision.source}")
     return decision
-
-
-def _several_ranks() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

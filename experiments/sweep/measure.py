@@ -160,6 +160,16 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
     row["warnings"] = sorted({str(w.message)[:400] for w in caught if "concur" in str(w.message)})
     if kind in COMPILING_MODES:  # where compile time goes: the largest of torch's own phase timers (s)
         row["compile_phases_s"] = compile_phases_s()
+    if step is not None and step.deciding:
+        # an unfused step times its programs on its first calls (concur.training.trial), one child at a time as
+        # setup's other decisions are (CONCUR_MEASURE_LOCK); the warm-up after it captures again where it dropped
+        from concur.dag.measure import gpu_turn
+
+        with gpu_turn():
+            for _ in range(200):
+                fn()
+                if not step.deciding:
+                    break
     for _ in range(cfg.get("warmup", 5)):  # reduce-overhead records its graphs in the first few steps
         fn()
     memory.end_setup(row)

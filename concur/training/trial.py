@@ -1,0 +1,99 @@
+"""An unfused captured step decides its streams on the user's own first steps.
+
+Timing a plan before the step (:mod:`concur.fx.decision`) captures each
+program's forward and backward in a graph of its own, warms each up and
+replays each a few dozen times: on the H100 it added 0.5-0.6 s to a setup of
+1.1-1.4 s (unfused GoogLeNet and ResNet-50 at b32, experiments/RESULTS.md),
+where issue 29 allows 10%. Here each program is captured once, as the whole
+step it would be: the capture the step makes anyway, and one more per other
+program. The first calls then replay the programs in turn, each a real
+training step (all of them compute the same step from the same parameters,
+optimizer state and generators), each replay timed with CUDA events on the
+caller's stream, so the timing costs no replay of its own. Once the rounds
+say what :func:`concur.dag.decide.choose` needs, the faster program stays
+and the others are freed; the decision is cached like any other, so the
+next run builds the chosen plan and captures once.
+
+Rounds as :func:`concur.dag.measure.replay_rounds` times them: round ``r``
+replays each program :data:`REPLAYS` times in a row, in an order rotated by
+``r``, and gives one time per program (the mean of its replays). Round 0
+is not counted: a graph's first replays upload it and run on cold caches.
+Times are read only once their events have completed, so no call waits for
+the device; the rounds may run a step or two past the one that settles them.
+
+The programs share the step's memory pool, the one-stream program captured
+first, so that the others' caller-stream buffers reuse its blocks
+(:func:`concur.training.capture.capture_trial`). Where one stream wins, the
+step drops every graph and captures again in a fresh pool, warming up once:
+the pool would otherwise keep the multi-stream programs' side-stream blocks
+reserved for the life of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from concur.dag import decide, measure
+
+REPLAYS = 2             # replays of one program in a row, per round
+ROUNDS = measure.ROUNDS  # counted rounds at most; fewer where decide.settled says more would not change it
+
+
+class ReplayTiming(Protocol):
+    """One timed replay (:meth:`concur.training.graph_runner.CudaGraphRunner.timed_replay`)."""
+
+    def done(self) -> bool: ...
+
+    def ms(self) -> float: ...
+
+
+@dataclass
+class StepTrial:
+    """The programs of one input shape, replayed in turn by the step's calls until their rounds decide.
+
+    ``programs`` are the step's graphs (:class:`concur.training.graph_runner.Captured`)
+    in the order of a timed round: one stream first, then each candidate.
+    """
+
+    key: tuple
+    programs: list[Any]
+    timings: list[list[ReplayTiming]] = field(default_factory=list)  # per round, per program: its replays
+    _calls: int = 0
+
+    def next_program(self) -> tuple[int, Any]:
+        """Return the index and graph of the program this call replays."""
+        n = len(self.programs)
+        r, k = divmod(self._calls, n * REPLAYS)
+        if k == 0:
+            self.timings.append([[] for _ in range(n)])
+        i = (r + k // REPLAYS) % n  # program order rotated by the round
+        self._calls += 1
+        return i, self.programs[i]
+
+    def replayed(self, i: int, timing: ReplayTiming) -> None:
+        """Record the timing of this call's replay of program ``i``."""
+        self.timings[-1][i].append(timing)
+
+    def rounds(self) -> list[tuple[float, ...]]:
+        """Return the counted rounds whose replays have all completed: per round, ms per replay of each program."""
+        out: list[tuple[float, ...]] = []
+        for round_ in self.timings[1:]:
+            if any(len(replays) < REPLAYS or not all(t.done() for t in replays) for replays in round_):
+                break
+            out.append(tuple(sum(t.ms() for t in replays) / len(replays) for replays in round_))
+        return out
+
+    def decided(self) -> list[tuple[float, ...]] | None:
+        """Return the rounds to decide on once there are enough (:data:`ROUNDS`, or settled sooner), else None."""
+        rounds = self.rounds()
+        if len(rounds) >= ROUNDS or (rounds and decide.settled(rounds)):
+            return rounds[:ROUNDS]
+        return None
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several distributed ranks (they must all run the same program)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
