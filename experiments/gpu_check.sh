@@ -283,11 +283,13 @@ for step in "$@"; do
                done; done
                SETUP29_SPECS="googlenet 32 4;resnet50 32 4" bash "$0" setup29 ;;
     trial29) begin_parallel trial29
-             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py ${TRIAL29_QUICK:+-k trial}
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
-             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
-             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
-             t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             if [ -z "${TRIAL29_QUICK:-}" ]; then  # TRIAL29_QUICK=1: the trial's own test, the habits and memory only
+               t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+               t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+               t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             fi
              memory_diffs "$OUT/trial29.jsonl" "recipe concur" "googlenet 8" "googlenet 64" "resnet50 32"
              end_parallel trial29 " passed\| failed\|Error\|trial:\|memory, \|held_reserved" 4 700 ;;
     ordered) begin_parallel ordered
