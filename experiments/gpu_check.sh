@@ -283,7 +283,7 @@ for step in "$@"; do
                done; done
                SETUP29_SPECS="googlenet 32 4;resnet50 32 4" bash "$0" setup29 ;;
     trial29) begin_parallel trial29
-             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py ${TRIAL29_QUICK:+-k trial}
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py ${TRIAL29_QUICK:+-k first_calls}
              t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
              if [ -z "${TRIAL29_QUICK:-}" ]; then  # TRIAL29_QUICK=1: the trial's own test, the habits and memory only
                t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py

@@ -96,7 +96,8 @@ SETTLED_CALLS = (1 + 3) * 2 * trial_mod.REPLAYS
 def test_first_calls_time_both_programs_and_keep_the_faster(monkeypatch):
     runner = TrialGraphs(one_ms=1.0, streams_ms=0.8)
     step = trial_run(monkeypatch, runner)
-    assert runner.captures == 2, "one capture per program, nothing timed before the step"
+    assert runner.captures == 3 and runner.new_pools == 1, \
+        "one capture per program, nothing timed before the step; the kept one again, in a pool of its own"
     assert sorted(set(runner.replayed)) == [1, 2] and len(runner.replayed) == SETTLED_CALLS
     # rounds rotate the order: each program REPLAYS times in a row, the other first in the next round
     assert runner.replayed[:8] == [1, 1, 2, 2, 2, 2, 1, 1]
@@ -144,17 +145,23 @@ def test_accumulation_times_before_the_step_not_during_it(monkeypatch):
     assert not runner.replayed and step._trial is None and not step.step_decisions
 
 
-def test_programs_after_the_first_warm_up_once(monkeypatch):
-    """The step's warmup passes before the first capture; one pass before the trial's other program and before
-    the capture again after a drop, whose shapes were warmed up already."""
+def test_every_program_warms_up_before_the_first_capture_and_later_ones_once(monkeypatch):
+    """The step's warmup passes before the one-stream program, one pass before the trial's other program and
+    before the capture again after the decision (its shapes were warmed up already); no warm-up's activations
+    alive beside a graph already captured."""
     import concur.training.capture as capture_mod
 
-    passes = []
+    events = []
     backward_from_none = capture_mod.backward_from_none
     monkeypatch.setattr(capture_mod, "backward_from_none",
-                        lambda step, module, *a: passes.append(module.plan.schedule.num_streams)
+                        lambda step, module, *a: events.append(("pass", module.plan.schedule.num_streams))
                         or backward_from_none(step, module, *a))
-    runner = TrialGraphs(one_ms=1.0, streams_ms=1.2)
+
+    class Logged(TrialGraphs):
+        def capture(self, body, step):
+            events.append(("capture", step.module.plan.schedule.num_streams))
+            return super().capture(body, step)
+
+    runner = Logged(one_ms=1.0, streams_ms=1.2)
     trial_run(monkeypatch, runner)
-    assert runner.captures == 3
-    assert passes == [1, 1, 1, 2, 1], "warmup=3 before the one-stream program, then one pass before each capture"
+    assert events == [("pass", 1)] * 3 + [("pass", 2), ("capture", 1), ("capture", 2), ("pass", 1), ("capture", 1)]

@@ -128,10 +128,6 @@ class PendingChoice:
         """Return the index in :attr:`programs` of the plan the module runs until the choice is settled."""
         return 1 + self.timed.index(self.default)
 
-    def program_of(self, decision: decide.Decision) -> int:
-        """Return the index in :attr:`programs` of the plan ``decision`` runs (0: one stream)."""
-        return 1 + self.timed.index(decision.candidate) if decision.keep else 0
-
     def settle(self, rounds: Sequence[tuple[float, ...]]) -> tuple[decide.Decision, Plan]:
         """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs."""
         decision = decide.choose(f"{self.what}, timed on the step's first calls", self.predictions, timer=lambda: rounds, cache=JsonCache(), key=self.key,

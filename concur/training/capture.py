@@ -95,20 +95,21 @@ def capture_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: i
                   phase: tuple[bool, bool], choice: PendingChoice) -> StepTrial:
     """Capture the step once with each of ``choice``'s programs, one stream first; return their trial.
 
-    They share the step's pool. The caching allocator reuses a free block
-    only on the stream that allocated it, so the one-stream program goes
-    first: the others' caller-stream buffers reuse its blocks and only their
-    side-stream buffers add to the pool. Later programs warm up with one
-    pass (the first did the lazy initialisation; the pass makes their side
-    streams' own). The module runs the predicted candidate again afterwards,
-    for any other graph captured before the trial ends.
+    Every program warms up before the first capture, so that no warm-up's
+    activations (outside the pool) are alive beside the graphs already
+    captured. The graphs share the step's pool and static batch. The caching
+    allocator reuses a free block only on the stream that allocated it, so
+    the one-stream program is captured first: the others' caller-stream
+    buffers reuse its blocks and only their side-stream buffers add to the
+    pool. Programs after the first warm up with one pass (the first did the
+    lazy initialisation; the pass makes their side streams' own). The module
+    runs the predicted candidate again afterwards, for any other graph
+    captured before the trial ends.
     """
     module = step._module(streams)
     programs = choice.programs
-    captured: list[Captured] = []
-    for i, program in enumerate(programs):
-        module.run_plan(program)
-        captured.append(capture(step, inputs, targets, streams, phase, warmup=None if i == 0 else 1))
+    captured = capture_programs(step, inputs, targets, streams, phase, programs,
+                                [step.warmup] + [1] * (len(programs) - 1))
     module.run_plan(programs[choice.program_of_default()])
     return StepTrial(key, captured)
 
@@ -132,15 +133,23 @@ def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[b
 
     ``warmup`` passes (the step's ``warmup`` where None) of forward and
     backward, or of whole steps, run before the capture.
+    """
+    return capture_programs(step, inputs, targets, streams, phase, [None],
+                            [step.warmup if warmup is None else warmup])[0]
 
-    The lean case (``accumulate=1``, the step's own update, no
-    ``before_step``) warms up forward and backward only, and the update on
-    one-element stand-ins, so it saves only buffers and RNG state.
-    Otherwise warm-up runs whole steps and the snapshot holds everything.
+
+def capture_programs(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
+                     plans: list[Any], warmups: list[int]) -> list[Captured]:
+    """Warm up each of ``plans`` (None: the module's own), then capture each; put back what warm-up changed.
+
+    The graphs share one static batch. The lean case (``accumulate=1``, the
+    step's own update, no ``before_step``) warms up forward and backward
+    only, and the update on one-element stand-ins, so it saves only buffers
+    and RNG state. Otherwise warm-up runs whole steps and the snapshot holds
+    everything.
     """
     module = step._module(streams)
     runner = step._runner
-    warmup = step.warmup if warmup is None else warmup
     fresh = step.accumulate == 1
     lean = fresh and step._hyper is not None and step.before_step is None
     optimized = set(optimized_parameters(step.optimizer))
@@ -152,33 +161,46 @@ def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[b
     static_inputs = tuple(clone(x) for x in inputs)
     static_targets = clone(targets) if isinstance(targets, torch.Tensor) else \
         type(targets)(clone(t) for t in targets)
+
+    def use(plan: Any) -> None:
+        if plan is not None:
+            module.run_plan(plan)
+
     try:
+        bodies = []
         with runner.side_stream():
-            reached = backward_from_none(step, module, static_inputs, static_targets, optimized)
-            if step.compile and streams != 1:  # every graph of this shape has decided by now
-                step._decide_on_the_step(streams, lambda: backward_from_none(
-                    step, module, static_inputs, static_targets, optimized), static_inputs)
-            owned = None
-            if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
-                owned = step._gradients.own(reached)
-            update = captured_update(step, reached)
-            body = functools.partial(step._body.micro_step, module, static_inputs, static_targets, phase,
-                                     optimized_parameters(step.optimizer), owned, update)
-            if lean:
-                for _ in range(warmup - 1):
-                    backward_from_none(step, module, static_inputs, static_targets, optimized)
-                getattr(update, "warm_up", lambda: None)()
-            else:
-                for _ in range(max(warmup - 1, 1)):  # at least one step: optimizers make state lazily
-                    body()
+            for plan, warmup in zip(plans, warmups):
+                use(plan)
+                reached = backward_from_none(step, module, static_inputs, static_targets, optimized)
+                if step.compile and streams != 1:  # every graph of this shape has decided by now
+                    step._decide_on_the_step(streams, lambda: backward_from_none(
+                        step, module, static_inputs, static_targets, optimized), static_inputs)
+                owned = None
+                if not fresh:  # allocated on the caller's stream, outside every graph: all graphs share them
+                    owned = step._gradients.own(reached)
+                update = captured_update(step, reached)
+                body = functools.partial(step._body.micro_step, module, static_inputs, static_targets, phase,
+                                         optimized_parameters(step.optimizer), owned, update)
+                if lean:
+                    for _ in range(warmup - 1):
+                        backward_from_none(step, module, static_inputs, static_targets, optimized)
+                    getattr(update, "warm_up", lambda: None)()
+                else:
+                    for _ in range(max(warmup - 1, 1)):  # at least one step: optimizers make state lazily
+                        body()
+                bodies.append((plan, body))
         if fresh:
             for p in optimized:  # free warm-up's gradients before capture, for the graph's own
                 p.grad = None
-        graph, (loss, grads) = runner.capture(body, step)
+        captured = []
+        for plan, body in bodies:
+            use(plan)
+            graph, (loss, grads) = runner.capture(body, step)
+            captured.append(Captured(graph, static_inputs, static_targets, loss, streams, grads))
     finally:
         snapshot.restore()
         runner.synchronize()
-    return Captured(graph, static_inputs, static_targets, loss, streams, grads)
+    return captured
 
 
 def captured_update(step: Any, reached: list[torch.Tensor]) -> Callable[[], Any]:

@@ -293,24 +293,22 @@ class TrainStep:
         return loss
 
     def _settle_trial(self, trial: StepTrial) -> None:
-        """Where the trial's rounds decide, keep the chosen program's graph and free the others'."""
+        """Where the trial's rounds decide, free every graph; the next call captures the chosen program alone.
+
+        In a new pool: the trial's pool holds the blocks of every program
+        (the one-stream program's, and the others' side-stream blocks), which
+        the chosen one alone would keep reserved for the life of the step
+        (GoogLeNet b8: 630 MB against 538; b64: 3128 against the recipe's
+        2174, experiments/RESULTS.md). The capture warms up once.
+        """
         rounds = trial.decided()
         if rounds is None:
             return
         self._trial = None
-        module = self.modules[self.requested_streams]
-        choice = module.pending_choice()
-        decision = module.settle(rounds)
-        self.step_decisions.append(decision)
-        if not decision.keep:
-            # captured again in a new pool: the old one holds the multi-stream programs' side-stream blocks
-            self.graphs.clear()
-            self._gradients.bound = None
-            self._runner.new_pool()
-            return
-        if decision.candidate != choice.default:  # graphs captured during the trial ran the default plan
-            self.graphs.clear()
-        self.graphs[trial.key] = trial.programs[choice.program_of(decision)]
+        self.step_decisions.append(self.modules[self.requested_streams].settle(rounds))
+        self.graphs.clear()
+        self._gradients.bound = None
+        self._runner.new_pool()
 
     def _warn_if_values_are_baked(self, values: tuple) -> None:
         # Same groups, other values (a new group is a new layout, not a schedule).
