@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40,
                     help="also time setup through this many calls: train_step's unfused decision is timed on its "
                          "first calls")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="warm (off, on) pairs after the cold pair, alternating; the table gives their medians")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one setup in this process")
     ap.add_argument("--measure", default="1", help="with --profile: CONCUR_MEASURE (1 times decisions, 0 not)")
@@ -103,21 +106,28 @@ def main() -> None:
         print("%.3f %.3f" % _one(args))
         return
     seconds, through = {}, {}
-    for run, measure in (("cold off", False), ("cold on", True), ("off", False), ("on", True)):
+    runs = [("cold off", False), ("cold on", True)] + \
+        [(f"{side} {i}", measure) for i in range(args.pairs) for side, measure in (("off", False), ("on", True))]
+    for run, measure in runs:  # warm pairs alternate off and on: a drift of the machine reaches both
         with tempfile.TemporaryDirectory() as cache:  # no decision read back: every one is timed
             seconds[run], through[run] = _child(args, measure, cache)
+    for side in ("off", "on"):  # the median of the warm runs of each side
+        for table in (seconds, through):
+            table[side] = statistics.median(table[f"{side} {i}"] for i in range(args.pairs))
     share = seconds["on"] / seconds["off"] - 1
     share_calls = through["on"] / through["off"] - 1
     label = f"{args.model} b{args.batch} {'fused' if args.compile else 'unfused'} streams={args.streams}"
+    spread = ", ".join(f"{seconds[f'off {i}']:.2f}/{seconds[f'on {i}']:.2f}" for i in range(args.pairs))
     print(f"{label}: setup {seconds['off']:.2f} s without timing, {seconds['on']:.2f} s with it ({share:+.1%}); "
           f"through {args.calls} calls {through['off']:.2f} / {through['on']:.2f} s ({share_calls:+.1%}); "
-          f"cold {seconds['cold off']:.2f} / {seconds['cold on']:.2f} s")
+          f"cold {seconds['cold off']:.2f} / {seconds['cold on']:.2f} s; medians of {args.pairs} warm pairs "
+          f"(off/on: {spread})")
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"label": label, **{k.replace(' ', '_') + '_s': v for k, v in seconds.items()},
+            f.write(json.dumps({"label": label, "pairs": args.pairs,
+                                **{k.replace(' ', '_') + '_s': v for k, v in seconds.items()},
                                 **{k.replace(' ', '_') + f'_{args.calls}_calls_s': v for k, v in through.items()},
                                 "measurement_share": share, "measurement_share_calls": share_calls}) + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -28,3 +28,23 @@ def test_each_timing_captures_in_a_pool_of_its_own_given_back_when_it_ends(monke
     emptied = [alive for what, alive in cuda.log if what == "empty_cache"]
     assert emptied[:2] == [0, 0] and emptied[3] == 1, cuda.log
     assert cuda.alive() == 2 and step_graph is not second_graph
+
+
+def test_a_pool_left_for_a_new_one_is_given_back_once_before_the_next_capture(monkeypatch):
+    """After new_pool() (the first calls' trial has decided), release_old_pool() empties the cache once, with no
+    graph of the old pool alive; later captures go to the new pool and release nothing more."""
+    cuda = fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runner = graph_runner.CudaGraphRunner(priority=False)
+    runner.release_old_pool()
+    assert ("empty_cache", 0) not in cuda.log, "nothing to give back before any new_pool()"
+    graph, _ = runner.capture(lambda: "out", step=None)
+    runner.new_pool()
+    del graph
+    before = len(cuda.log)
+    runner.release_old_pool()
+    runner.release_old_pool()
+    assert cuda.log[before:] == [("empty_cache", 0)]
+    runner.capture(lambda: "out", step=None)
+    first, second = [pool for what, pool in cuda.log if what == "capture"]
+    assert first != second

@@ -132,6 +132,12 @@ class EmulatedGraphs:
     def failed(self):
         pass
 
+    def new_pool(self):
+        pass
+
+    def release_old_pool(self):
+        pass
+
     def can_time(self, device):  # a step's streams are not timed on CPU (tests that time fake it)
         return False
 

@@ -52,11 +52,14 @@ class TrialGraphs(EmulatedGraphs):
         self.plan_of = {}     # id(graph) -> (step, the plan it was captured with)
         self.replayed = []    # streams of each timed replay's program
         self.new_pools = 0
+        self.released = []    # per release of an old pool: whether no graph and no gradient held it any more
+        self.last_step = None
 
     def can_time(self, device):
         return True
 
     def capture(self, body, step):
+        self.last_step = step
         graph, out = super().capture(body, step)
         self.plan_of[id(graph)] = (step, step.module.plan)
         return graph, out
@@ -75,6 +78,13 @@ class TrialGraphs(EmulatedGraphs):
 
     def new_pool(self):
         self.new_pools += 1
+        self.old_pool = True
+
+    def release_old_pool(self):
+        if getattr(self, "old_pool", False):
+            self.old_pool = False
+            self.released.append(self.last_step is not None and not self.last_step.graphs
+                                 and all(p.grad is None for p in self.last_step.model.parameters()))
 
 
 def trial_run(monkeypatch, runner, n=24, **kw):
@@ -162,6 +172,14 @@ def test_every_program_warms_up_before_the_first_capture_and_later_ones_once(mon
             events.append(("capture", step.module.plan.schedule.num_streams))
             return super().capture(body, step)
 
+        def release_old_pool(self):
+            if getattr(self, "old_pool", False):
+                events.append(("release", None))
+            super().release_old_pool()
+
     runner = Logged(one_ms=1.0, streams_ms=1.2)
     trial_run(monkeypatch, runner)
-    assert events == [("pass", 1)] * 3 + [("pass", 2), ("capture", 1), ("capture", 2), ("pass", 1), ("capture", 1)]
+    assert events == [("pass", 1)] * 3 + [("pass", 2), ("capture", 1), ("capture", 2), ("release", None),
+                                          ("pass", 1), ("capture", 1)], \
+        "the trial's pool is given back before the warm-up of the capture after the decision"
+    assert runner.released == [True], "no graph or gradient of the trial alive when its pool is given back"

@@ -166,6 +166,10 @@ def capture_programs(step: Any, inputs: tuple, targets: Any, streams: int, phase
         if plan is not None:
             module.run_plan(plan)
 
+    if fresh:  # a pool the step left (concur.training.trial) holds no gradient of the user's once these go
+        for p in optimized:
+            p.grad = None
+    runner.release_old_pool()
     try:
         bodies = []
         with runner.side_stream():

@@ -75,6 +75,7 @@ class CudaGraphRunner:
         self.priority = priority
         self._stream: torch.cuda.Stream | None = None
         self._pool: Any = None  # the step's graphs'
+        self._old_pool_held = False  # a pool new_pool() left, not yet given back
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -115,9 +116,19 @@ class CudaGraphRunner:
         return timing
 
     def new_pool(self) -> None:
-        """Capture later graphs into a new pool; the old one goes back to the device with the next capture's
-        :meth:`capture` (which empties the cache), once its graphs and their tensors are freed."""
+        """Capture later graphs into a new pool; the old one goes back to the device at
+        :meth:`release_old_pool`, once its graphs and their tensors are freed."""
         self._pool = None
+        self._old_pool_held = True
+
+    def release_old_pool(self) -> None:
+        """Give the pool :meth:`new_pool` left back to the device, where there is one: before the next warm-up,
+        whose activations would otherwise be allocated beside it (unfused GoogLeNet b8: setup's reserved peak
+        988 MB, against 630 MB held by the old pool)."""
+        if self._old_pool_held:
+            self._old_pool_held = False
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def can_time(self, device: torch.device) -> bool:
         """Whether :meth:`time_programs` can time on ``device`` now (:func:`concur.dag.measure.can_time`)."""
