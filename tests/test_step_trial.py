@@ -30,14 +30,20 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 class Timing:
-    """A replay's fake CUDA-event time; ``pending`` more checks say it has not completed yet."""
+    """A replay's fake CUDA-event time; ``pending`` more checks say it has not completed yet. Waiting for it
+    completes it and every replay before it, as on one stream."""
 
-    def __init__(self, ms, pending=0):
-        self._ms, self.pending = ms, pending
+    def __init__(self, ms, pending=0, earlier=()):
+        self._ms, self.pending, self.earlier, self.waits = ms, pending, list(earlier), 0
 
     def done(self):
         self.pending -= 1
         return self.pending < 0
+
+    def wait(self):
+        self.waits += 1
+        for t in [*self.earlier, self]:
+            t.pending = -1
 
     def ms(self):
         return self._ms
@@ -52,6 +58,7 @@ class TrialGraphs(EmulatedGraphs):
         self.plan_of = {}     # id(graph) -> (step, the plan it was captured with)
         self.replayed = []    # streams of each timed replay's program
         self.new_pools = 0
+        self.timings = []     # every timed replay's fake timing, in order
         self.released = []    # per release of an old pool: whether no graph and no gradient held it any more
         self.last_step = None
 
@@ -74,7 +81,8 @@ class TrialGraphs(EmulatedGraphs):
             module.run_plan(now)
         streams = plan.schedule.num_streams
         self.replayed.append(streams)
-        return Timing(self.one_ms if streams == 1 else self.streams_ms, self.pending)
+        self.timings.append(Timing(self.one_ms if streams == 1 else self.streams_ms, self.pending, self.timings))
+        return self.timings[-1]
 
     def new_pool(self):
         self.new_pools += 1
@@ -135,9 +143,21 @@ def test_a_second_step_reads_the_cached_decision_and_captures_once(monkeypatch):
 
 
 def test_rounds_count_only_replays_that_completed(monkeypatch):
+    """Events that complete late: no call waits for them before enough rounds are issued to decide."""
     runner = TrialGraphs(one_ms=1.0, streams_ms=0.8, pending=40)  # each event completes 40 checks late
-    step = trial_run(monkeypatch, runner, n=SETTLED_CALLS + 4)
+    step = trial_run(monkeypatch, runner, n=SETTLED_CALLS - 1)
     assert step.deciding and not step.step_decisions, "decided on times not yet completed"
+    assert not any(t.waits for t in runner.timings), "waited for the device before enough rounds were issued"
+
+
+def test_the_call_that_issues_enough_rounds_waits_for_them_and_decides(monkeypatch):
+    """Without the wait the host runs ahead and the programs keep alternating until the device catches up."""
+    runner = TrialGraphs(one_ms=1.0, streams_ms=0.8, pending=40)
+    step = trial_run(monkeypatch, runner, n=SETTLED_CALLS + 3)
+    assert len(runner.replayed) == SETTLED_CALLS, "decided on the call that ended the third counted round"
+    assert sum(t.waits for t in runner.timings) == 1 and runner.timings[-1].waits == 1
+    (decision,) = step.step_decisions
+    assert decision.keep and decision.measured.rounds == 3
 
 
 def test_accumulation_times_before_the_step_not_during_it(monkeypatch):

@@ -206,6 +206,36 @@ def test_fused_variants_reach_train_step_with_their_options(mode, options, prior
     assert seen["streams"] == (1 if mode == "compile_graph" else 4)
 
 
+def test_an_unfused_step_decides_on_its_first_calls_alone_on_the_gpu_before_its_warm_up(monkeypatch):
+    """prepare_mode calls a step whose first calls time its programs (TrainStep.deciding) until it has decided,
+    holding the GPU turn exclusively meanwhile, then warms up the program it kept."""
+    events = []
+
+    class DecidingStep:
+        calls = 0
+
+        @property
+        def deciding(self):
+            return self.calls < 7
+
+        def __call__(self, x, y):
+            self.calls += 1
+            events.append("call")
+
+    class Turn:
+        def exclusive(self):
+            events.append("exclusive")
+
+        def shared(self):
+            events.append("shared")
+
+    monkeypatch.setattr(concur, "train_step", lambda *a, **k: DecidingStep())
+    model, x, y = BranchyNet(branches=2, width=4, blocks=1), torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))
+    cfg = dict(model="branchy:2x4", batch=2, precision="fp32", mode="concur_graph:4", warmup=2)
+    measure.prepare_mode(cfg, dict(cfg), model, x, y, None, Turn())
+    assert events == ["call", "exclusive"] + ["call"] * 6 + ["shared"] + ["call"] * 2
+
+
 def test_zoo_models_are_built_at_their_own_input_size():
     model, size = build("torchvision:resnet18")
     assert type(model).__name__ == "ResNet" and size == 224
@@ -408,7 +438,7 @@ def test_bad_together_sets_are_refused(together, tmp_path, capsys):
 def test_modes_timed_together_take_turns_and_later_compiles_say_their_cache_was_warm(monkeypatch, tmp_path):
     calls = []
 
-    def fake_prepare(cfg, row, model, x, y, amp_dtype):
+    def fake_prepare(cfg, row, model, x, y, amp_dtype, turn=None):
         row["setup_s"] = 0.0
         if cfg["mode"] == "compile":
             raise RuntimeError("inductor said no")

@@ -163,6 +163,10 @@ class EventTiming:
         """Whether the replay has finished on the device (never waits)."""
         return self.end.query()
 
+    def wait(self) -> None:
+        """Wait until the replay has finished on the device."""
+        self.end.synchronize()
+
     def ms(self) -> float:
         return self.start.elapsed_time(self.end)
 

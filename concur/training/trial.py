@@ -18,8 +18,12 @@ Rounds as :func:`concur.dag.measure.replay_rounds` times them: round ``r``
 replays each program :data:`REPLAYS` times in a row, in an order rotated by
 ``r``, and gives one time per program (the mean of its replays). Round 0
 is not counted: a graph's first replays upload it and run on cold caches.
-Times are read only once their events have completed, so no call waits for
-the device; the rounds may run a step or two past the one that settles them.
+Times are read only once their events have completed. Until enough rounds
+are issued to decide (:data:`concur.dag.decide.SETTLED_ROUNDS` counted), no
+call waits for the device; from then on the call that ends a round waits
+for its last replay, once per round. Without that wait the host runs ahead
+and the programs keep alternating until the device catches up: on the H100,
+unfused GoogLeNet b8 took 118 calls to decide what its first 16 had timed.
 
 The programs share the step's memory pool, the one-stream program captured
 first, so that the others' caller-stream buffers reuse its blocks
@@ -44,6 +48,8 @@ class ReplayTiming(Protocol):
     """One timed replay (:meth:`concur.training.graph_runner.CudaGraphRunner.timed_replay`)."""
 
     def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
 
     def ms(self) -> float: ...
 
@@ -85,7 +91,15 @@ class StepTrial:
         return out
 
     def decided(self) -> list[tuple[float, ...]] | None:
-        """Return the rounds to decide on once there are enough (:data:`ROUNDS`, or settled sooner), else None."""
+        """Return the rounds to decide on once there are enough (:data:`ROUNDS`, or settled sooner), else None.
+
+        Where the last call ended a round and enough counted rounds are
+        issued to settle, first wait for that round's last replay.
+        """
+        n = len(self.programs)
+        issued, ended = divmod(self._calls, n * REPLAYS)
+        if ended == 0 and issued - 1 >= decide.SETTLED_ROUNDS:  # round 0 is not counted
+            self.timings[-1][(issued - 1 + n - 1) % n][-1].wait()  # the round's last program, its last replay
         rounds = self.rounds()
         if len(rounds) >= ROUNDS or (rounds and decide.settled(rounds)):
             return rounds[:ROUNDS]

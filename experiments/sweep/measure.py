@@ -88,7 +88,8 @@ def _critical_path_row(row: dict, cfg: dict, model: Any, x: Any, amp_dtype: Any)
                 nodes_total=bound.nodes_total, trace=str(trace))
 
 
-def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: Any) -> PreparedMode:
+def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: Any,
+                 turn: GpuTurn | None = None) -> PreparedMode:
     """Build the mode's step function, run its first step (the compile or capture: ``setup_s``), warm up.
 
     The setup's memory peaks, allocated and reserved, are the allocator's over
@@ -160,16 +161,19 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
     row["warnings"] = sorted({str(w.message)[:400] for w in caught if "concur" in str(w.message)})
     if kind in COMPILING_MODES:  # where compile time goes: the largest of torch's own phase timers (s)
         row["compile_phases_s"] = compile_phases_s()
-    if step is not None and step.deciding:
-        # an unfused step times its programs on its first calls (concur.training.trial), one child at a time as
-        # setup's other decisions are (CONCUR_MEASURE_LOCK); the warm-up after it captures again where it dropped
-        from concur.dag.measure import gpu_turn
-
-        with gpu_turn():
-            for _ in range(200):
-                fn()
-                if not step.deciding:
-                    break
+    if getattr(step, "deciding", False):
+        # an unfused step times its programs on its first calls (concur.training.trial), alone on the GPU: no other
+        # child's compile, capture or warm-up beside it (``turn``, held shared while setting up), as a user's
+        # process would run them; on 2026-11-27 GoogLeNet b64 timed beside other children measured its 4-stream
+        # program at 22.9 ms against 10.4 alone, and dropped it. The warm-up below captures the chosen program.
+        if turn is not None:
+            turn.exclusive()
+        for _ in range(200):
+            fn()
+            if not getattr(step, "deciding", False):
+                break
+        if turn is not None:
+            turn.shared()
     for _ in range(cfg.get("warmup", 5)):  # reduce-overhead records its graphs in the first few steps
         fn()
     memory.end_setup(row)
@@ -232,7 +236,7 @@ def run_one(cfg: dict) -> dict:
         return _critical_path_row(row, cfg, model, x, amp_dtype)
     turn = GpuTurn(cfg.get("gpu_lock"))
     turn.shared()  # with --compile-jobs N: compile and capture beside other children, time alone
-    prepared = prepare_mode(cfg, row, model, x, y, amp_dtype)
+    prepared = prepare_mode(cfg, row, model, x, y, amp_dtype, turn)
     turn.exclusive()  # no other child's compile or capture runs kernels beside the timed steps
     prepared.memory.begin_steps()
     time_steps(row, cfg, prepared.step_fn, cuda)
@@ -276,7 +280,7 @@ def run_interleaved(cfgs: list[dict]) -> list[dict]:
             if cfg["mode"] == "critical_path":
                 rows[-1] = _critical_path_row(row, cfg, model, x, amp_dtype)
                 continue
-            prepared.append(prepare_mode(cfg, row, model, x, y, amp_dtype))
+            prepared.append(prepare_mode(cfg, row, model, x, y, amp_dtype, turn))
         except Exception as exc:  # noqa: BLE001 - a failing mode is a result; the others still run
             row.update(error_fields(exc))
     turn.exclusive()
