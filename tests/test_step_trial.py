@@ -203,3 +203,8 @@ def test_every_program_warms_up_before_the_first_capture_and_later_ones_once(mon
                                           ("pass", 1), ("capture", 1)], \
         "the trial's pool is given back before the warm-up of the capture after the decision"
     assert runner.released == [True], "no graph or gradient of the trial alive when its pool is given back"
+
+
+def test_optimize_refuses_a_measure_it_does_not_know():
+    with pytest.raises(ValueError, match="measure must be True, False or 'deferred'"):
+        concur.optimize(make_model(), (make_batches(1)[0][0],), streams=2, measure="later")

@@ -61,7 +61,7 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                  cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False,
-                 measure: bool = True):
+                 measure: bool | str = True):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
@@ -266,7 +266,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
              leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
-             measure: bool = True) -> nn.Module:
+             measure: bool | str = True) -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -284,6 +284,10 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     its median is more than 1% faster; the answer is cached on disk per
     graph, shapes, dtypes, GPU and torch (:mod:`concur.dag.decide`). One
     info line on the ``concur`` logger gives each decision and its times.
+    ``measure="deferred"`` leaves a decision not cached yet to the caller,
+    which times the plans itself (:func:`concur.train_step` on its first
+    calls, through ``ConcurModule.pending_choice``); until then the module
+    runs the plan the prediction picks.
 
     ``streams="auto"`` weighs the plans on 2, 3 and 4 streams, all from one
     trace, against one stream in the same way: timed together on CUDA (the
@@ -303,6 +307,8 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if measure not in (True, False, DEFERRED):
+        raise ValueError(f"measure must be True, False or {DEFERRED!r}, got {measure!r}")
     example_inputs = _check_inputs(model, example_inputs, streams)
     if scheduler not in schedulers.SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
