@@ -50,7 +50,8 @@ class Timing:
 
 
 class TrialGraphs(EmulatedGraphs):
-    """The emulated runner, timing replays: ``one_ms`` for a one-stream program, ``streams_ms`` otherwise."""
+    """The emulated runner, timing replays: ``one_ms`` for a one-stream program, ``streams_ms`` otherwise (or
+    ``streams_ms[streams]``)."""
 
     def __init__(self, one_ms, streams_ms, pending=0):
         super().__init__()
@@ -81,7 +82,9 @@ class TrialGraphs(EmulatedGraphs):
             module.run_plan(now)
         streams = plan.schedule.num_streams
         self.replayed.append(streams)
-        self.timings.append(Timing(self.one_ms if streams == 1 else self.streams_ms, self.pending, self.timings))
+        ms = self.one_ms if streams == 1 else \
+            self.streams_ms[streams] if isinstance(self.streams_ms, dict) else self.streams_ms
+        self.timings.append(Timing(ms, self.pending, self.timings))
         return self.timings[-1]
 
     def new_pool(self):
@@ -95,13 +98,37 @@ class TrialGraphs(EmulatedGraphs):
                                  and all(p.grad is None for p in self.last_step.model.parameters()))
 
 
-def trial_run(monkeypatch, runner, n=24, **kw):
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+class FourTowers(torch.nn.Module):
+    """Four towers on a shared stem: plans on 2, 3 and 4 streams differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(6, 32)
+        self.towers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                                              torch.nn.Linear(32, 32)) for _ in range(4))
+        self.head = torch.nn.Linear(128, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
+
+
+def four_towers(seed=0):
+    torch.manual_seed(seed)
+    return FourTowers().double()
+
+
+def trial_run(monkeypatch, runner, n=24, batches=None, make_opt=sgd, before_step=None, model_fn=make_model, **kw):
     monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
-    batches = make_batches(n=n)
-    ref, model = make_model(), make_model()
-    expected = plain_loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), batches)
-    step = concur.train_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                             batches[0], streams=4, **kw)
+    batches = batches or make_batches(n=n)
+    ref, model = model_fn(), model_fn()
+    expected = plain_loop(ref, make_opt(ref.parameters()), batches, before_step=before_step)
+    step = concur.train_step(model, loss_fn, make_opt(model.parameters()), batches[0],
+                             **{"streams": 4, "before_step": before_step, **kw})
     losses = [step(x, y).item() for x, y in batches]
     assert_same_run(losses, expected, model, ref)
     return step
@@ -208,3 +235,34 @@ def test_every_program_warms_up_before_the_first_capture_and_later_ones_once(mon
 def test_optimize_refuses_a_measure_it_does_not_know():
     with pytest.raises(ValueError, match="measure must be True, False or 'deferred'"):
         concur.optimize(make_model(), (make_batches(1)[0][0],), streams=2, measure="later")
+
+
+def test_another_shape_during_the_trial_runs_the_chosen_program_after_it(monkeypatch):
+    """A smaller batch now and then (a last batch, a second loader) is captured with the predicted plan while
+    the trial runs; once one stream wins, every shape is captured again with it, and the run stays the plain
+    loop's throughout."""
+    batches = make_batches(n=30)
+    small = make_batches(n=30, size=3, seed=2)
+    mixed = [small[i] if i % 5 == 4 else b for i, b in enumerate(batches)]
+    runner = TrialGraphs(one_ms=1.0, streams_ms=1.2)
+    step = trial_run(monkeypatch, runner, batches=mixed)
+    (decision,) = step.step_decisions
+    assert not decision.keep and len(step.graphs) == 2
+    assert all(runner.plan_of[id(c.graph)][1].schedule.num_streams == 1 for c in step.graphs.values())
+
+
+def test_the_trial_keeps_clipping_and_adam_as_the_plain_loop_runs_them(monkeypatch):
+    clip = lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)  # noqa: E731
+    runner = TrialGraphs(one_ms=1.0, streams_ms=0.8)
+    step = trial_run(monkeypatch, runner, make_opt=lambda p: torch.optim.Adam(p, lr=0.01), before_step=clip)
+    (decision,) = step.step_decisions
+    assert decision.keep and decision.source == "measurement" and not step.deciding
+
+
+def test_auto_times_every_stream_count_on_the_first_calls_and_keeps_the_fewest_within_the_margin(monkeypatch):
+    runner = TrialGraphs(one_ms=1.0, streams_ms={2: 0.9, 3: 0.8, 4: 0.8})
+    step = trial_run(monkeypatch, runner, n=70, streams="auto", model_fn=four_towers)  # 8 rounds of 8 calls
+    (decision,) = step.step_decisions
+    timed = sorted(set(runner.replayed))
+    assert timed[0] == 1 and len(timed) >= 3, f"one stream and several candidates timed: {timed}"
+    assert decision.keep and decision.num_streams == 3 and step.module.plan.schedule.num_streams == 3
