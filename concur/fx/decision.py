@@ -130,6 +130,6 @@ class PendingChoice:
 
     def settle(self, rounds: Sequence[tuple[float, ...]]) -> tuple[decide.Decision, Plan]:
         """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs."""
-        decision = decide.choose(f"{self.what}, timed on the step's first calls", self.predictions, timer=lambda: rounds, cache=JsonCache(), key=self.key,
-                                 scope="step")
+        decision = decide.choose(f"{self.what}, timed on the step's first calls", self.predictions,
+                                 timer=lambda: rounds, cache=JsonCache(), key=self.key, scope="step")
         return decision, self.plans[decision.candidate] if decision.keep else self.one_stream
