@@ -266,3 +266,24 @@ def test_auto_times_every_stream_count_on_the_first_calls_and_keeps_the_fewest_w
     timed = sorted(set(runner.replayed))
     assert timed[0] == 1 and len(timed) >= 3, f"one stream and several candidates timed: {timed}"
     assert decision.keep and decision.num_streams == 3 and step.module.plan.schedule.num_streams == 3
+
+
+def test_where_every_program_does_not_fit_the_prediction_decides_and_one_program_is_captured(monkeypatch):
+    """Out of memory capturing the trial's second program: the predicted plan alone is captured, as where a
+    timing before the step fails; not cached, and no fallback to one stream."""
+
+    class OutOfMemoryOnce(TrialGraphs):
+        def capture(self, body, step):
+            if self.captures == 1 and not getattr(self, "failed_once", False):
+                self.failed_once = True
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().capture(body, step)
+
+    runner = OutOfMemoryOnce(one_ms=1.0, streams_ms=1.2)
+    step = trial_run(monkeypatch, runner)
+    (decision,) = step.step_decisions
+    assert decision.keep and decision.source == "prediction" and "OutOfMemoryError" in decision.reason
+    assert not step.deciding and not runner.replayed and not step.failed_streams
+    assert len(step.graphs) == 1 and step.module.plan.schedule.num_streams == 2
+    again = trial_run(monkeypatch, TrialGraphs(one_ms=1.0, streams_ms=1.2))
+    assert again.step_decisions[0].source == "measurement", "the untimed decision was not cached"

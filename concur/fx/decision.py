@@ -133,3 +133,14 @@ class PendingChoice:
         decision = decide.choose(f"{self.what}, timed on the step's first calls", self.predictions,
                                  timer=lambda: rounds, cache=JsonCache(), key=self.key, scope="step")
         return decision, self.plans[decision.candidate] if decision.keep else self.one_stream
+
+    def settle_untimed(self, why: str) -> tuple[decide.Decision, Plan]:
+        """Return the decision the prediction gives where the caller could not capture every plan to time them
+        (``why``: the exception), and its plan. Not cached: a later run times again.
+        """
+        def timer() -> list:
+            raise RuntimeError(f"capturing every program at once failed ({why})")
+
+        decision = decide.choose(f"{self.what}, on the step's first calls", self.predictions, timer=timer,
+                                 scope="step")
+        return decision, self.plans[decision.candidate] if decision.keep else self.one_stream

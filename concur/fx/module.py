@@ -189,10 +189,11 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         self._plan_attrs.add(plan.runtime_attr)
         self._plans[self._mode_key()] = plan
 
-    def settle(self, rounds: Sequence[tuple[float, ...]]) -> decide.Decision:
-        """Decide the current mode's pending choice on the caller's timed ``rounds``; run the plan it picks."""
+    def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> decide.Decision:
+        """Decide the current mode's pending choice on the caller's timed ``rounds``, or by prediction where
+        there are none (the caller could not time them: ``why``); run the plan it picks."""
         choice = self._pending.pop(self._mode_key())
-        decision, plan = choice.settle(rounds)
+        decision, plan = choice.settle(rounds) if rounds is not None else choice.settle_untimed(why)
         self.run_plan(plan)
         return decision
 

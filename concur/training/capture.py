@@ -49,14 +49,7 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
     attempts = [s for s in dict.fromkeys([step.requested_streams, 1]) if s not in step.failed_streams]
     for streams in attempts:
         try:
-            choice = trial_choice(step, streams)
-            if choice is not None:
-                step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
-                captured = step._trial.programs[choice.program_of_default()]
-            else:
-                # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
-                captured = capture(step, inputs, targets, streams, phase,
-                                   warmup=1 if key in step.warmed_keys else None)
+            captured = capture_or_start_trial(step, inputs, targets, key, streams, phase)
         except Exception as exc:  # OOM or an op that cannot be captured
             step._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
@@ -82,6 +75,30 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
         return captured
     step.eager_keys.add(key)
     return None
+
+
+def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+                           phase: tuple[bool, bool]) -> Captured:
+    """Capture ``key``'s graph; where a decision is left to the first calls, capture every program and start
+    their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
+
+    Every program at once needs more memory than one: where capturing them
+    fails, the prediction decides (not cached), and the predicted program
+    alone is captured, as where a timing before the step fails.
+    """
+    choice = trial_choice(step, streams)
+    failure = None
+    if choice is not None:
+        try:
+            step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
+            return step._trial.programs[choice.program_of_default()]
+        except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
+            failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
+        step._runner.failed()
+        step.step_decisions.append(step._module(streams).settle(None, failure))
+    # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
+    return capture(step, inputs, targets, streams, phase, warmup=1 if key in step.warmed_keys else None)
 
 
 def trial_choice(step: Any, streams: int | str) -> PendingChoice | None:
