@@ -287,3 +287,20 @@ def test_where_every_program_does_not_fit_the_prediction_decides_and_one_program
     assert len(step.graphs) == 1 and step.module.plan.schedule.num_streams == 2
     again = trial_run(monkeypatch, TrialGraphs(one_ms=1.0, streams_ms=1.2))
     assert again.step_decisions[0].source == "measurement", "the untimed decision was not cached"
+
+
+def test_a_new_plan_after_the_model_changed_is_timed_on_the_calls_after_it(monkeypatch):
+    """A submodule replaced after the first trial: the step rebuilds its plans and times the new ones too,
+    though graphs of the old model are still cached."""
+    runner = TrialGraphs(one_ms=1.0, streams_ms=0.8)
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    batches = make_batches(n=40)
+    model = make_model()
+    step = concur.train_step(model, loss_fn, sgd(model.parameters()), batches[0], streams=4)
+    for x, y in batches[:20]:
+        step(x, y)
+    assert len(step.step_decisions) == 1 and step.graphs
+    model.b = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sigmoid()).double()
+    for x, y in batches[20:]:
+        step(x, y)
+    assert len(step.step_decisions) == 2 and step.step_decisions[1].source == "measurement"

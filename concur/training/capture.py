@@ -102,8 +102,10 @@ def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, s
 
 
 def trial_choice(step: Any, streams: int | str) -> PendingChoice | None:
-    """The decision ``step``'s first calls time (:mod:`concur.training.trial`), where this capture starts it."""
-    if step._trial is not None or step.graphs or step.compile:
+    """The decision ``step``'s first calls time (:mod:`concur.training.trial`), where this capture starts it:
+    the first capture of a module whose plan has one pending (a first call, a model changed since), while no
+    other trial runs."""
+    if step._trial is not None or step.compile:
         return None
     return getattr(step._module(streams), "pending_choice", lambda: None)()
 
