@@ -73,6 +73,8 @@ def measure(name: str, batch: int, streams_list: list[int], repeats: int, varian
             step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=graph,
                                      compile=compile, amp_dtype=amp_dtype)
             step(x, y)
+            while step.deciding:  # an unfused step times its programs on its first calls: setup too
+                step(x, y)
             torch.cuda.synchronize()
             setup_s = time.perf_counter() - t0
             used = step.graphs[next(iter(step.graphs))].streams if step.graphs else 0
