@@ -128,19 +128,19 @@ class PendingChoice:
         """Return the index in :attr:`programs` of the plan the module runs until the choice is settled."""
         return 1 + self.timed.index(self.default)
 
-    def settle(self, rounds: Sequence[tuple[float, ...]]) -> tuple[decide.Decision, Plan]:
-        """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs."""
-        decision = decide.choose(f"{self.what}, timed on the step's first calls", self.predictions,
-                                 timer=lambda: rounds, cache=JsonCache(), key=self.key, scope="step")
-        return decision, self.plans[decision.candidate] if decision.keep else self.one_stream
+    def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> tuple[decide.Decision, Plan]:
+        """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs.
 
-    def settle_untimed(self, why: str) -> tuple[decide.Decision, Plan]:
-        """Return the decision the prediction gives where the caller could not capture every plan to time them
-        (``why``: the exception), and its plan. Not cached: a later run times again.
+        Without rounds (the caller could not capture every plan to time them;
+        ``why``: the exception) the prediction decides, not cached: a later
+        run times again.
         """
-        def timer() -> list:
+        def untimed() -> list:
             raise RuntimeError(f"capturing every program at once failed ({why})")
 
-        decision = decide.choose(f"{self.what}, on the step's first calls", self.predictions, timer=timer,
+        timed = rounds is not None
+        decision = decide.choose(f"{self.what}, {'timed ' if timed else ''}on the step's first calls",
+                                 self.predictions, timer=(lambda: rounds) if timed else untimed,
+                                 cache=JsonCache() if timed else None, key=self.key if timed else None,
                                  scope="step")
         return decision, self.plans[decision.candidate] if decision.keep else self.one_stream

@@ -138,7 +138,8 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         timer, key = None, None
         device = cuda_device(self.original, inputs)
         what = f"concur.optimize of {type(self.original).__name__}"
-        if o.get("measure", True) == DEFERRED:
+        measure = o.get("measure", True)
+        if measure == DEFERRED:
             # the caller, which can time (it says so), times the plans in its own first steps where nothing
             # is cached for them
             timed = decide.timed_candidates(predictions)
@@ -151,7 +152,7 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
                 self._pending[self._mode_key()] = PendingChoice(what, predictions, plans, timed, one_stream(), key,
                                                                 default)
                 return plans[default]
-        if o.get("measure", True) and o.get("measure") != DEFERRED and can_time(device):
+        elif measure and can_time(device):
             timed = [plans[i] for i in decide.timed_candidates(predictions)]
             timer = plan_timer(self, one_stream, timed, inputs, device)
             key = decision_key(self.original, traced, inputs, plans, device)
@@ -193,7 +194,7 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         """Decide the current mode's pending choice on the caller's timed ``rounds``, or by prediction where
         there are none (the caller could not time them: ``why``); run the plan it picks."""
         choice = self._pending.pop(self._mode_key())
-        decision, plan = choice.settle(rounds) if rounds is not None else choice.settle_untimed(why)
+        decision, plan = choice.settle(rounds, why)
         self.run_plan(plan)
         return decision
 
