@@ -1,13 +1,14 @@
-"""The zoo's table: each network's fused step against the recipe, beside the decisions that made it.
+"""The zoo's table: each network's concur step against the recipe, beside the decisions that made it.
 
     python3 -m experiments.zoo_decisions RUN_DIR [--jsonl OUT.jsonl]
 
 RUN_DIR is a run of ``experiments/bench29.sh`` (the sweep's ``results.jsonl``,
 and ``decisions/<configuration>/decisions/*.json``, one cache per fused
-configuration). Prints one markdown row per network, slowest first: the
-recipe's and concur's step (ms), their ratio, then per graph the streams it
-kept alone, its measured speedup and the raw prediction, and the decision over
-the whole step. ``--jsonl`` writes every decision, one line each, with its
+configuration). Prints one markdown row per network and route, slowest first:
+the route (fused: ``fused:4`` against compile + graph; unfused: ``concur_graph:4``
+against the eager whole-step capture), the recipe's and concur's step (ms),
+their ratio, then per graph the streams it kept alone, its measured speedup and
+the raw prediction, and the decision over the whole step. ``--jsonl`` writes every decision, one line each, with its
 configuration and scope ("graph", or "step" for the whole step's).
 """
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from experiments.sweep.configs import file_stem
 
-PEER, FUSED = "peer_compile_graph", "fused:4"
+# route: (the recipe's mode, concur's mode)
+ROUTES = {"fused": ("peer_compile_graph", "fused:4"), "unfused": ("peer_eager_graph", "concur_graph:4")}
 
 
 def read_decisions(run: Path) -> dict[str, list[dict]]:
@@ -61,17 +63,20 @@ def table(run: Path) -> list[str]:
     decisions = read_decisions(run)
     out = []
     for (model, batch, precision), modes in rows.items():
-        if PEER not in modes or FUSED not in modes:
-            continue
-        peer, fused = modes[PEER]["ms"], modes[FUSED]["ms"]
-        # the sweep's cache folder of the configuration (experiments/sweep/measure.py)
-        by_kind = {_kind(d): d for d in decisions.get(file_stem(modes[FUSED]["key"]), [])}
-        out.append((peer / fused, f"| {model.split(':')[-1]} | {batch} | {peer:.2f} | {fused:.2f} | "
-                    f"**{peer / fused:.3f}x** | {_cell(by_kind.get('forward'))} | {_cell(by_kind.get('backward'))} | "
-                    f"{_cell(by_kind.get('step'), step=True)} |"))
-    head = ["| network | batch | recipe ms | fused ms | fused vs recipe | forward: streams, measured (predicted) | "
-            "backward: streams, measured (predicted) | whole step: decision, measured (predicted) |",
-            "|---|---|---|---|---|---|---|---|"]
+        for route, (peer_mode, concur_mode) in ROUTES.items():
+            if peer_mode not in modes or concur_mode not in modes:
+                continue
+            peer, concur = modes[peer_mode]["ms"], modes[concur_mode]["ms"]
+            # the sweep's cache folder of the configuration (experiments/sweep/measure.py)
+            by_kind = {_kind(d): d for d in decisions.get(file_stem(modes[concur_mode]["key"]), [])}
+            # the unfused route decides over the whole step only: its graphs have no cells of their own
+            graphs = [_cell(by_kind.get(k)) if route == "fused" else "—" for k in ("forward", "backward")]
+            out.append((peer / concur, f"| {model.split(':')[-1]} | {batch} | {route} | {peer:.2f} | {concur:.2f} | "
+                        f"**{peer / concur:.3f}x** | {graphs[0]} | {graphs[1]} | "
+                        f"{_cell(by_kind.get('step'), step=True)} |"))
+    head = ["| network | batch | route | recipe ms | concur ms | concur vs recipe | forward: streams, measured "
+            "(predicted) | backward: streams, measured (predicted) | whole step: decision, measured (predicted) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     return head + [line for _, line in sorted(out)]
 
 

@@ -112,7 +112,9 @@ def _tiers(request):
         if request.node.get_closest_marker(tier) and tier not in selected:
             pytest.skip(f"run with -m {tier}")
     yield
-    _free_memory()
+    # a full collection costs ~2 s once the session's heap is large, so only the tiers of large models pay it
+    if any(request.node.get_closest_marker(tier) for tier in ("zoo_full", "zoo_giant")):
+        _free_memory()
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in MODELS])
