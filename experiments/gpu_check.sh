@@ -60,6 +60,13 @@
 #                  the habits, lean-step, step-decision and weight-gradient tests and memory_diff.py (recipe and
 #                  concur, GoogLeNet b8/b64, ResNet-50 b32 unfused) side by side; $OUT/trial29.txt,
 #                  $OUT/trial29.jsonl, $OUT/trial29_logs.tgz (setup29 with SETUP29_SPECS times its setup cost)
+#   verify30       tests/test_gpu.py, the habits, lean-step, step-decision, weight-gradient and measure tests and
+#                  memory_diff.py (concur unfused, GoogLeNet b64/b8) side by side; then VERIFY30_MODELS (default: three
+#                  timm networks) alone at b32 bf16: the eager-graph recipe, serial_graph and concur_graph:4 in one
+#                  child; $OUT/verify30.txt, $OUT/verify30_logs.tgz, $OUT/verify30_sweep.log, $OUT/verify30_sweep.tgz
+#   emit30         the fused route's checks after emission stopped copying the wrapper (the auto and fused tests of
+#                  tests/test_gpu.py, the step decision, the lean step's fused test, the fused envelope and sanitizer on
+#                  GoogLeNet) side by side; then setup29 on EMIT30_SPECS (default: fused GoogLeNet b32, streams="auto")
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -292,6 +299,32 @@ for step in "$@"; do
              fi
              memory_diffs "$OUT/trial29.jsonl" "recipe concur" "googlenet 8" "googlenet 64" "resnet50 32"
              end_parallel trial29 " passed\| failed\|Error\|trial:\|memory, \|held_reserved" 4 700 ;;
+    verify30) begin_parallel verify30  # the GPU tests on the current tree side by side, then zoo rows again alone
+             t gpu python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py
+             t habits python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_train_habits.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t weight_grads python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_weight_grads.py
+             t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
+             memory_diffs "$OUT/verify30.jsonl" concur "googlenet 64" "googlenet 8"
+             end_parallel verify30 " passed\| failed\|Error\|trial:\|memory, \|held_reserved" 4 700
+             # each named network alone (one child at a time, nothing compiling beside its timing): the recipe,
+             # concur's one-stream step and its default, in alternating rounds
+             timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 20 )) python3 -m experiments.sweep --out /tmp/verify30 \
+               --resume --precisions bf16 --batches 32 --repeats 40 --rounds 6 --compile-jobs 1 \
+               --models ${VERIFY30_MODELS:-timm:convnext_atto timm:efficientnet_b0 timm:deit_tiny_patch16_224} \
+               --modes peer_eager_graph serial_graph concur_graph:4 \
+               --together peer_eager_graph+serial_graph+concur_graph:4 > "$OUT/verify30_sweep.log" 2>&1
+             python3 -m experiments.sweep --out /tmp/verify30 --report-only >> "$OUT/verify30_sweep.log" 2>&1
+             grep "_graph.*peer_eager_graph |" /tmp/verify30/summary.md | head -12
+             tar czf "$OUT/verify30_sweep.tgz" --exclude=traces --exclude=util -C /tmp verify30 ;;
+    emit30) begin_parallel emit30  # programs built sharing the wrapper's nodes: the fused checks, then auto's setup cost
+             t auto python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k "auto_streams or fused"
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py -k fused
+             fused_checks ordered_reuse "googlenet" "googlenet"
+             end_parallel emit30 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600
+             SETUP29_SPECS="${EMIT30_SPECS:-googlenet 32 auto --compile}" bash "$0" setup29 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

@@ -24,6 +24,8 @@ from typing import Mapping
 
 import torch
 
+from concur.inductor.syntax import subnodes
+
 # the allocators inductor's wrapper calls for a buffer on each device
 _ALLOCATORS = {"empty_strided_cuda", "empty_strided_cpu", "empty_strided_xpu", "empty_strided",
                "empty_strided_p2p"}
@@ -153,9 +155,12 @@ class _KernelBody:
         parents: dict[ast.AST, ast.AST] = {}
         loads: dict[str, list[ast.Name]] = {}
         for statement in fn.body:  # not the decorators: their triton_meta is most of the source
-            for parent in ast.walk(statement):
-                for child in ast.iter_child_nodes(parent):
-                    parents[child] = parent
+            for parent in subnodes(statement):
+                for field in parent._fields:
+                    value = getattr(parent, field, None)
+                    for child in value if isinstance(value, list) else (value,):
+                        if isinstance(child, ast.AST):
+                            parents[child] = parent
                 if isinstance(parent, ast.Name) and isinstance(parent.ctx, ast.Load):
                     loads.setdefault(parent.id, []).append(parent)
         return cls(parents, loads)

@@ -215,7 +215,8 @@ def _sequence(program: KernelProgram, schedule: schedulers.Schedule,
     the start, one no later launch touches at the end, both on the caller's
     stream.
     """
-    launches = {s.index: s for s in program.launches}
+    in_order = program.launches  # a property that filters every statement: read once, not per host statement
+    launches = {s.index: s for s in in_order}
     position = {v: i for i, v in enumerate(schedule.order)}
     end = len(schedule.order)
     anchor: dict[int, int] = {}  # host statement -> position of the launch it goes before (-1: start, end: after all)
@@ -231,7 +232,7 @@ def _sequence(program: KernelProgram, schedule: schedulers.Schedule,
             anchor[s.index] = -1
             continue
         ready = max((binder_position.get(n, 0) for n in s.uses), default=0)
-        later = [position[k.index] for k in program.launches
+        later = [position[k.index] for k in in_order
                  if k.index > s.index and k.groups & s.groups and position[k.index] >= ready]
         anchor[s.index] = min(later, default=end)
         for name in s.binds:
@@ -427,7 +428,7 @@ def _check_names(program: KernelProgram, steps: list[Emit]) -> None:
         local |= s.binds
     # names bound before the region (inputs, a prologue's) are bound from the start, and so are the
     # raw-stream lookups, which build_call repeats at the start and after every stream switch
-    bound = {n for n in local if not any(n in s.binds for s in program.statements if s.kind != "stream")}
+    bound = local - {n for s in program.statements if s.kind != "stream" for n in s.binds}
     for step in steps:
         s = step.statement
         if step.op == "protect":
@@ -448,6 +449,12 @@ def _check_names(program: KernelProgram, steps: list[Emit]) -> None:
 _counter = itertools.count()
 
 
+def _located(node: ast.AST) -> ast.AST:
+    """``node`` (made here, not the wrapper's) with a source position, so compile() takes it beside shared nodes."""
+    node.lineno, node.col_offset, node.end_lineno, node.end_col_offset = 1, 0, 1, 0
+    return node
+
+
 def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
                bound_to: Any = None) -> tuple[Callable, StreamRuntime]:
     """Return the rewritten ``call`` (a function in the wrapper's ``namespace``) and its stream runtime."""
@@ -458,19 +465,23 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
     stream_lookups = list(unique.values())  # inductor repeats ``stream0 = get_raw_stream(0)`` per kernel
 
     def rt(method: str, *args: ast.expr) -> ast.stmt:
-        return ast.Expr(ast.Call(func=ast.Attribute(value=ast.Name(rt_name, ast.Load()), attr=method, ctx=ast.Load()),
-                                 args=list(args), keywords=[]))
+        return ast.fix_missing_locations(_located(ast.Expr(ast.Call(
+            func=ast.Attribute(value=ast.Name(rt_name, ast.Load()), attr=method, ctx=ast.Load()),
+            args=list(args), keywords=[]))))
 
     def names(items) -> list[ast.expr]:
         return [ast.Name(n, ast.Load()) for n in items]
 
-    region: list[ast.stmt] = [rt("fork", *names(program.inputs)), *copy.deepcopy(stream_lookups)]
+    # The region shares the wrapper's statement nodes instead of copying them: compile() only reads an AST, and
+    # every shared node already has its source position, so nothing below writes to one. Deep copies made
+    # building a call cost as much as planning it (experiments/emit_cost.py).
+    region: list[ast.stmt] = [rt("fork", *names(program.inputs)), *stream_lookups]
     for step in plan.steps:
         if step.op == "stmt":
-            region.append(copy.deepcopy(step.statement.node))
+            region.append(step.statement.node)
         elif step.op == "switch":
             region.append(rt("switch", ast.Constant(step.index)))
-            region += copy.deepcopy(stream_lookups)
+            region += stream_lookups
         elif step.op in ("wait", "record"):
             region.append(rt(step.op, ast.Constant(step.index)))
         elif step.op == "protect":
@@ -480,17 +491,22 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
         region.append(rt("protect", ast.Name(name, ast.Load()),
                          ast.Tuple([ast.Constant(i) for i in streams], ast.Load())))
     region.append(rt("join", *names(program.outputs)))
-    guarded = ast.Try(body=region, handlers=[ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name=None,
-                                                               body=[rt("abort"), ast.Raise()])],
-                      orelse=[], finalbody=[])
+    guarded = _located(ast.Try(body=region, handlers=[_located(ast.ExceptHandler(
+        type=_located(ast.Name("BaseException", ast.Load())), name=None, body=[rt("abort"), _located(ast.Raise())]))],
+        orelse=[], finalbody=[]))
 
-    fn = copy.deepcopy(program.function)
+    # new containers on the path to the region, the wrapper's own nodes everywhere else
+    fn = copy.copy(program.function)
     fn.name = f"{rt_name}_call"
     fn.decorator_list = []
-    body = next(s for s in fn.body if isinstance(s, ast.With)).body if program.guarded else fn.body
+    fn.body = list(fn.body)
+    body = fn.body
+    if program.guarded:
+        at = next(i for i, s in enumerate(fn.body) if isinstance(s, ast.With))
+        fn.body[at] = copy.copy(fn.body[at])
+        fn.body[at].body = body = list(fn.body[at].body)
     body[program.start:program.end] = [guarded]
     module = ast.Module(body=[fn], type_ignores=[])
-    ast.fix_missing_locations(module)
     exec(compile(module, f"<concur streams over {namespace.get('__file__', 'inductor output')}>", "exec"), namespace)
     call = namespace[fn.name]
     if bound_to is not None:

@@ -243,7 +243,9 @@ def _classify(index: int, node: ast.stmt, groups: _Groups, signatures: dict[str,
               namespace: Mapping[str, Any], split: frozenset[int] = frozenset()) -> list[Statement]:
     uses = _names(node)
     if isinstance(node, ast.Delete):
-        return [Statement(index, ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del())]), "del", frozenset({n}),
+        # one ``del`` per name, each at the line of the one it came from (an emitted call shares these nodes)
+        return [Statement(index, ast.fix_missing_locations(ast.copy_location(
+                              ast.Delete(targets=[ast.Name(id=n, ctx=ast.Del())]), node)), "del", frozenset({n}),
                           frozenset(), groups=frozenset(_group_set({n}, groups)))
                 for t in node.targets for n in sorted(_stored(t))]
     if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):

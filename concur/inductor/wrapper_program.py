@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from concur.inductor.kernel_signatures import KernelSignature
+from concur.inductor.syntax import subnodes
 
 WORLD = "<world>"  # read by every launch, written by barriers
 
@@ -111,11 +112,11 @@ class UnsupportedWrapper(ValueError):
 # -- reading the call function's syntax ---------------------------------------------------------
 
 def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {n.id for n in subnodes(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _stored(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+    return {n.id for n in subnodes(node) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
 
 
 def _resolve(dotted: str, namespace: Mapping[str, Any]) -> Any:
