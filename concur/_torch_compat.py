@@ -318,7 +318,7 @@ def has_symbolic_shapes(example_inputs: list) -> bool:
     return False
 
 
-# --- aten ops' schemas, read by dag.annotate, inductor.aten_dag, inductor.stamp, inductor.wrapper_parse ---
+# --- aten ops' schemas and FLOP formulas, read by dag.annotate, inductor.aten_dag, inductor.stamp, inductor.wrapper_parse ---
 
 
 def is_op_overload(target: object) -> bool:
@@ -344,6 +344,28 @@ def op_schema(target: object) -> "torch.FunctionSchema | None":
         raise _compile_internal("the schema of each aten op (OpOverload._schema)",
                                 AttributeError(f"{type(target).__name__} without a FunctionSchema"))
     return schema
+
+
+def op_counts_no_flops(target: object) -> bool:
+    """Return True where ``torch.utils.flop_counter.FlopCounterMode`` would count 0 FLOPs for op ``target``.
+
+    The mode counts an op by the formula registered for its packet
+    (``flop_registry``); an op without one it decomposes where the op has a
+    ``CompositeImplicitAutograd`` kernel and counts the ops inside; anything
+    else counts 0. Running an op on meta tensors costs more on the host than
+    everything else the cost model does, so ops known to count 0 are not run.
+    Anything this torch does not say for certain (not an op overload, no
+    ``flop_registry``, no way to ask for the kernel) reads False: run it, as
+    before.
+    """
+    if not is_op_overload(target):
+        return False
+    try:
+        from torch.utils.flop_counter import flop_registry
+        decomposes = target.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    return target.overloadpacket not in flop_registry and not decomposes
 
 
 # --- Memory formats, read by concur.inductor.weight_grads ------------------------------------------

@@ -66,3 +66,49 @@ def test_aten_step_counter_and_views_are_trivial_and_join_a_cluster_with_work():
     coarse = schedulers.coarsen(dag)  # no min_cost: only attach_trivial keeps the counter off a stream of its own
     for vs in coarse.members.values():
         assert not all(dag.nodes[v]["trivial"] for v in vs), vs
+
+
+def test_only_ops_that_can_count_flops_run_on_meta_tensors_and_the_costs_are_those_of_running_all(monkeypatch):
+    """Running an op on meta tensors is most of the cost model's host time, and most ops count 0 FLOPs anyway.
+
+    Each op with a FLOP formula (``mm``, ``addmm``) still runs under
+    ``FlopCounterMode``; pointwise ops do not, and every node's cost is the
+    one running all of them gives.
+    """
+    import concur.inductor.aten_dag as aten_dag
+
+    def step(x, w1, w2, b):
+        h = torch.relu(x @ w1) * torch.sigmoid(x @ w2)
+        return (torch.ops.aten.linear.default(h, w1, b).tanh() + 1,)
+
+    gm = make_fx(step, tracing_mode="fake")(*(torch.randn(64, 64) for _ in range(3)), torch.randn(64))
+    runs = []  # one FlopCounterMode per op run on meta tensors
+
+    def counting(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    real = aten_dag.FlopCounterMode
+    monkeypatch.setattr(aten_dag, "FlopCounterMode", counting)
+    lean = build_aten_dag(gm.graph, H100)
+    kinds = sorted(str(n.target).split(".")[1] for n in aten_dag.scheduled_nodes(gm.graph))
+    assert len(runs) == 3 and kinds.count("mm") == 2 and "addmm" in kinds  # make_fx made linear t and addmm
+    monkeypatch.setattr(aten_dag.compat, "op_counts_no_flops", lambda target: False)  # every op runs, as before
+    runs.clear()
+    full = build_aten_dag(gm.graph, H100)
+    assert len(runs) == len(kinds) - kinds.count("t") > 6  # views cost nothing and never run
+    assert dict(lean.nodes(data=True)) == dict(full.nodes(data=True)) and set(lean.edges) == set(full.edges)
+    assert sum(lean.nodes[v]["heavy"] for v in lean) == 3
+
+
+def test_an_op_counts_no_flops_only_without_a_formula_and_without_a_decomposition():
+    import operator
+
+    from concur import _torch_compat as compat
+
+    aten = torch.ops.aten
+    assert compat.op_counts_no_flops(aten.add.Tensor) and compat.op_counts_no_flops(aten.relu.default)
+    assert not compat.op_counts_no_flops(aten.mm.default)            # a formula
+    assert not compat.op_counts_no_flops(aten.convolution.default)
+    assert not compat.op_counts_no_flops(aten.linear.default)        # no formula, but it decomposes into addmm
+    assert not compat.op_counts_no_flops(operator.getitem)           # not an op overload: run it, as before

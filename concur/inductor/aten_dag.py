@@ -122,7 +122,9 @@ def aten_cost(node: fx.Node) -> AtenCost:
     if is_view(node):
         return AtenCost(0, 0, 0, fused=True, is_view=True)
     flops = 0
-    try:  # FLOP formulas are torch's own (torch.utils.flop_counter); meta tensors cost nothing to run
+    if compat.op_counts_no_flops(node.target):  # most ops: running them on meta tensors would say 0 anyway
+        return AtenCost(0, out_bytes, in_bytes, fused=True, is_view=False)
+    try:  # FLOP formulas are torch's own (torch.utils.flop_counter); meta tensors need no device to run
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda u: _meta_like(_value(u)))
         with FlopCounterMode(display=False) as counter:
             node.target(*args, **kwargs)
