@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="torch2.11.0-cuda", help="wrapper folders whose name starts with this")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    print(f"| wrapper | launches | candidates | parse s | schedule s | plan s | build s |")
+    print("| wrapper | launches | candidates | parse s | schedule s | plan s | build s |")
     print("|---|---|---|---|---|---|---|")
     for path in sorted(p for d in sorted(WRAPPERS.glob(f"{args.only}*")) for p in d.iterdir() if p.is_dir()):
         row = cost(path, tuple(args.streams), args.repeats)

@@ -70,3 +70,14 @@ def test_building_programs_shares_the_wrappers_nodes_and_leaves_them_as_they_wer
         assert callable(call) and runtime.num_streams == streams
     assert ast.dump(program.function, include_attributes=True) == before
     assert [ast.dump(s.node, include_attributes=True) for s in program.statements] == statements
+
+
+def test_a_statement_made_without_a_position_is_copied_and_located_not_changed():
+    from concur.inductor.wrapper_emit import _shared
+
+    parsed = ast.parse("x = y + 1").body[0]
+    assert _shared(parsed) is parsed
+    made = ast.Delete(targets=[ast.Name(id="x", ctx=ast.Del())])
+    located = _shared(made)
+    assert located is not made and not hasattr(made, "lineno") and located.lineno == located.targets[0].lineno == 1
+    compile(ast.Module(body=[located], type_ignores=[]), "<test>", "exec")

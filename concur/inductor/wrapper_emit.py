@@ -455,6 +455,18 @@ def _located(node: ast.AST) -> ast.AST:
     return node
 
 
+def _shared(node: ast.stmt) -> ast.stmt:
+    """A wrapper statement to put in an emitted call as it is; a copy given positions where it has none.
+
+    Parsed statements have positions, and so do those concur makes for them
+    (split ``del`` s, fresh allocations); one that has not would make
+    compile() fail, so it is copied and located rather than changed in place.
+    """
+    if hasattr(node, "lineno"):
+        return node
+    return ast.fix_missing_locations(_located(copy.deepcopy(node)))
+
+
 def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
                bound_to: Any = None) -> tuple[Callable, StreamRuntime]:
     """Return the rewritten ``call`` (a function in the wrapper's ``namespace``) and its stream runtime."""
@@ -472,13 +484,13 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
     def names(items) -> list[ast.expr]:
         return [ast.Name(n, ast.Load()) for n in items]
 
-    # The region shares the wrapper's statement nodes instead of copying them: compile() only reads an AST, and
-    # every shared node already has its source position, so nothing below writes to one. Deep copies made
-    # building a call cost as much as planning it (experiments/emit_cost.py).
+    # The region shares the wrapper's statement nodes instead of copying them (_shared): compile() only reads an
+    # AST, and nothing below writes to a shared node. Deep copies made building a call cost as much as planning
+    # it (experiments/emit_cost.py).
     region: list[ast.stmt] = [rt("fork", *names(program.inputs)), *stream_lookups]
     for step in plan.steps:
         if step.op == "stmt":
-            region.append(step.statement.node)
+            region.append(_shared(step.statement.node))
         elif step.op == "switch":
             region.append(rt("switch", ast.Constant(step.index)))
             region += stream_lookups
