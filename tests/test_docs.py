@@ -285,3 +285,14 @@ def test_readme_example_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loss after 20 steps" in done.stdout
     assert "concur" not in done.stderr, f"the README example makes concur warn:\n{done.stderr[-3000:]}"
+
+
+def test_the_architecture_page_names_every_module():
+    """A newcomer reads docs/architecture.md for what each file does: every module of concur has its row."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = set(re.findall(r"^\| `([\w/]+\.py)` \|", page, flags=re.M))
+    package = ROOT / "concur"
+    modules = {str(p.relative_to(package)) for p in package.rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py") or p.parent == package}
+    assert modules - rows == set(), f"modules without a row in docs/architecture.md: {sorted(modules - rows)}"
+    assert rows - modules == set(), f"rows for modules that are gone: {sorted(rows - modules)}"
