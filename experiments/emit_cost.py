@@ -1,6 +1,6 @@
 """What the fused route's reading and emission cost on the host, per graph: the checked-in CUDA wrappers.
 
-    PYTHONPATH=. python -m experiments.emit_cost [--streams 2 3 4] [--json out.jsonl]
+    PYTHONPATH=. python -m experiments.emit_cost [--streams 2 3 4] [--match googlenet] [--json out.jsonl]
 
 For each golden CUDA wrapper (``tests/fixtures/wrappers/torch*-cuda*``), times
 what the backend does on the host before anything runs on a GPU: parsing the
@@ -58,11 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, nargs="+", default=list(decide.AUTO_STREAMS))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", default="torch2.11.0-cuda", help="wrapper folders whose name starts with this")
+    ap.add_argument("--match", default="", help="only the wrappers whose name holds this (resnet50_fp32_fwd)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print("| wrapper | launches | candidates | parse s | schedule s | plan s | build s |")
     print("|---|---|---|---|---|---|---|")
-    for path in sorted(p for d in sorted(WRAPPERS.glob(f"{args.only}*")) for p in d.iterdir() if p.is_dir()):
+    for path in sorted(p for d in sorted(WRAPPERS.glob(f"{args.only}*")) for p in d.iterdir()
+                       if p.is_dir() and args.match in p.name):
         row = cost(path, tuple(args.streams), args.repeats)
         print(f"| {row['wrapper']} | {row['launches']} | {row['candidates']} | {row['parse_s']:.2f} | "
               f"{row['schedule_s']:.2f} | {row['plan_s']:.2f} | {row['build_s']:.2f} |", flush=True)

@@ -81,3 +81,16 @@ def test_a_statement_made_without_a_position_is_copied_and_located_not_changed()
     located = _shared(made)
     assert located is not made and not hasattr(made, "lineno") and located.lineno == located.targets[0].lineno == 1
     compile(ast.Module(body=[located], type_ignores=[]), "<test>", "exec")
+
+
+def test_the_emission_cost_script_times_each_step_of_a_golden_wrapper(tmp_path, capsys):
+    import json
+
+    from experiments import emit_cost
+
+    out = tmp_path / "cost.jsonl"
+    assert emit_cost.main(["--match", "googlenet_bf16_cl_fwd", "--repeats", "1", "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["wrapper"] == "torch2.11.0-cuda/googlenet_bf16_cl_fwd" and row["candidates"] >= 1
+    assert all(row[k] >= 0 for k in ("parse_s", "schedule_s", "plan_s", "build_s"))
+    assert "| torch2.11.0-cuda/googlenet_bf16_cl_fwd |" in capsys.readouterr().out
