@@ -9,7 +9,9 @@
 #              timm zoo each
 #   z4         the same on torchvision's GoogLeNet, Inception-v3 and ResNet-50
 #   u1 u2      unfused default (train_step, 4 streams) against peer_eager_graph, half of the zoo each
-# Packs RUN_DIR to $OUT/bench.tgz, with RUN_DIR/zoo_table.md and RUN_DIR/decisions.jsonl (experiments/zoo_decisions.py).
+# Networks below 0.99x of the recipe are timed again alone while the deadline allows (RUN_DIR/alone/: neighbours
+# compiling on the host slowed some steps of the zoo's run). Packs RUN_DIR to $OUT/bench.tgz, with RUN_DIR/zoo_table.md
+# and RUN_DIR/decisions.jsonl (experiments/zoo_decisions.py).
 set -uo pipefail
 dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 TORCHINDUCTOR_COMPILE_THREADS=2
@@ -40,6 +42,17 @@ esac
 wait
 for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
 python3 -m experiments.sweep --out "$dir" --report-only >> "$OUT/bench_$part.log" 2>&1
+# each network below 0.99x of the recipe again alone, while time is left: one child at a time, nothing compiling
+# beside its timing, the recipe, concur's one-stream step and its default in one child (RUN_DIR/alone/)
+python3 -m experiments.zoo_decisions "$dir" --below 0.99 | while read -r model route; do
+  left=$(( ${DEADLINE:-570} - SECONDS - 30 )); [ "$left" -gt 60 ] || break
+  if [ "$route" = fused ]; then modes="peer_compile_graph compile_graph fused:4"
+  else modes="peer_eager_graph serial_graph concur_graph:4"; fi
+  timeout -k 5 $left python3 -m experiments.sweep --out "$dir/alone" --resume --precisions bf16 --batches 32 \
+    --repeats 40 --rounds 6 --compile-jobs 1 --models "$model" --modes $modes --together "${modes// /+}" \
+    < /dev/null >> "$OUT/bench_$part.log" 2>&1  # not the loop's stdin: the list of networks
+done
+[ -d "$dir/alone" ] && python3 -m experiments.sweep --out "$dir/alone" --report-only >> "$OUT/bench_$part.log" 2>&1
 # the zoo's table: each network against the recipe beside its decisions (per graph and over the whole step)
 python3 -m experiments.zoo_decisions "$dir" --jsonl "$dir/decisions.jsonl" > "$dir/zoo_table.md" 2>> "$OUT/bench_$part.log"
 grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40

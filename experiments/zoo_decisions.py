@@ -53,27 +53,38 @@ def _cell(decision: dict | None, step: bool = False) -> str:
     return f"{kept}, {measured:.2f}x ({decision['predicted_speedup']:.2f}x)"
 
 
-def table(run: Path) -> list[str]:
-    """Return the markdown table's lines for ``run``."""
+def _pairs(run: Path):
+    """Yield (model, batch, route, the recipe's row, concur's row) for each configuration timed on both."""
     rows: dict[tuple, dict] = {}
     for line in (run / "results.jsonl").read_text().splitlines():
         r = json.loads(line)
         if r.get("status") == "ok":
             rows.setdefault((r["model"], r["batch"], r["precision"]), {})[r["mode"]] = r
-    decisions = read_decisions(run)
-    out = []
     for (model, batch, precision), modes in rows.items():
         for route, (peer_mode, concur_mode) in ROUTES.items():
-            if peer_mode not in modes or concur_mode not in modes:
-                continue
-            peer, concur = modes[peer_mode]["ms"], modes[concur_mode]["ms"]
-            # the sweep's cache folder of the configuration (experiments/sweep/measure.py)
-            by_kind = {_kind(d): d for d in decisions.get(file_stem(modes[concur_mode]["key"]), [])}
-            # the unfused route decides over the whole step only: its graphs have no cells of their own
-            graphs = [_cell(by_kind.get(k)) if route == "fused" else "—" for k in ("forward", "backward")]
-            out.append((peer / concur, f"| {model.split(':')[-1]} | {batch} | {route} | {peer:.2f} | {concur:.2f} | "
-                        f"**{peer / concur:.3f}x** | {graphs[0]} | {graphs[1]} | "
-                        f"{_cell(by_kind.get('step'), step=True)} |"))
+            if peer_mode in modes and concur_mode in modes:
+                yield model, batch, route, modes[peer_mode], modes[concur_mode]
+
+
+def below(run: Path, ratio: float) -> list[tuple[str, str]]:
+    """Return (model, route) of each configuration whose concur step ran below ``ratio`` of the recipe's speed."""
+    return sorted({(model, route) for model, _, route, peer, concur in _pairs(run)
+                   if peer["ms"] / concur["ms"] < ratio})
+
+
+def table(run: Path) -> list[str]:
+    """Return the markdown table's lines for ``run``."""
+    decisions = read_decisions(run)
+    out = []
+    for model, batch, route, peer_row, concur_row in _pairs(run):
+        peer, concur = peer_row["ms"], concur_row["ms"]
+        # the sweep's cache folder of the configuration (experiments/sweep/measure.py)
+        by_kind = {_kind(d): d for d in decisions.get(file_stem(concur_row["key"]), [])}
+        # the unfused route decides over the whole step only: its graphs have no cells of their own
+        graphs = [_cell(by_kind.get(k)) if route == "fused" else "—" for k in ("forward", "backward")]
+        out.append((peer / concur, f"| {model.split(':')[-1]} | {batch} | {route} | {peer:.2f} | {concur:.2f} | "
+                    f"**{peer / concur:.3f}x** | {graphs[0]} | {graphs[1]} | "
+                    f"{_cell(by_kind.get('step'), step=True)} |"))
     head = ["| network | batch | route | recipe ms | concur ms | concur vs recipe | forward: streams, measured "
             "(predicted) | backward: streams, measured (predicted) | whole step: decision, measured (predicted) |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -84,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="a bench29.sh run directory")
     ap.add_argument("--jsonl", type=Path, help="write every decision here, one line each")
+    ap.add_argument("--below", type=float, help="print only the models (one line each: model route) that ran "
+                                                "below this ratio to the recipe, for a run alone")
     args = ap.parse_args(argv)
+    if args.below is not None:
+        print("\n".join(f"{model} {route}" for model, route in below(args.run, args.below)))
+        return 0
     print("\n".join(table(args.run)))
     if args.jsonl:
         with open(args.jsonl, "w") as f:

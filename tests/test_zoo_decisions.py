@@ -48,3 +48,15 @@ def test_the_table_puts_each_network_beside_its_decisions_slowest_first(tmp_path
         ("slow_32_bf16_concur_graph-4", "step"), ("slow_32_bf16_fused-4", "step"),
         ("timm-fast_32_bf16_fused-4", "graph"),
         ("timm-fast_32_bf16_fused-4", "graph"), ("timm-fast_32_bf16_fused-4", "step")]
+
+
+def test_below_names_each_network_and_route_under_the_ratio_for_a_run_alone(tmp_path, capsys):
+    rows = [dict(model=m, batch=32, precision="bf16", mode=mode, status="ok", ms=ms, key=f"{m}|32|bf16|{mode}")
+            for m, mode, ms in (("timm:slow", "peer_compile_graph", 4.0), ("timm:slow", "fused:4", 4.2),
+                                ("timm:slow", "peer_eager_graph", 5.0), ("timm:slow", "concur_graph:4", 5.0),
+                                ("fast", "peer_eager_graph", 5.0), ("fast", "concur_graph:4", 4.0))]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert zoo_decisions.below(tmp_path, 0.99) == [("timm:slow", "fused")]
+    assert zoo_decisions.below(tmp_path, 1.01) == [("timm:slow", "fused"), ("timm:slow", "unfused")]
+    assert zoo_decisions.main([str(tmp_path), "--below", "0.99"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["timm:slow fused"]
