@@ -7,7 +7,7 @@ what the backend does on the host before anything runs on a GPU: parsing the
 wrapper into its launch DAG (:func:`concur.inductor.wrapper_parse.parse_wrapper`,
 with split reuses), scheduling it on each stream count, and, per distinct
 candidate, emitting its plan (:func:`~concur.inductor.wrapper_emit.plan_emission`)
-and building its call (:func:`~concur.inductor.wrapper_emit.build_call`).
+and building its call (:func:`~concur.inductor.wrapper_build.build_call`).
 ``streams="auto"`` builds every candidate it times (three per graph where
 2, 3 and 4 streams schedule apart), the default one; so this is setup time
 ``"auto"`` adds whatever the GPU does. Wall times on this machine, best of
@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from concur.dag import decide
-from concur.inductor.wrapper_emit import build_call, launch_dag, plan_emission
+from concur.inductor.wrapper_build import build_call
+from concur.inductor.wrapper_emit import launch_dag, plan_emission
 from concur.inductor.wrapper_parse import parse_wrapper, source_namespace
 
 WRAPPERS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "wrappers"

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from concur.dag import decide
-from concur.inductor.wrapper_emit import build_call, launch_dag, plan_emission
+from concur.inductor.wrapper_build import build_call
+from concur.inductor.wrapper_emit import launch_dag, plan_emission
 from concur.inductor.wrapper_parse import parse_wrapper, source_namespace
 
 WRAPPER = Path(__file__).parent / "fixtures" / "wrappers" / "torch2.11.0-cuda" / "googlenet_bf16_cl_bwd" / "wrapper.py.gz"
@@ -73,7 +74,7 @@ def test_building_programs_shares_the_wrappers_nodes_and_leaves_them_as_they_wer
 
 
 def test_a_statement_made_without_a_position_is_copied_and_located_not_changed():
-    from concur.inductor.wrapper_emit import _shared
+    from concur.inductor.wrapper_build import _shared
 
     parsed = ast.parse("x = y + 1").body[0]
     assert _shared(parsed) is parsed

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import schedulers
-from concur.inductor.wrapper_emit import Emit, _check_names, build_call, launch_dag, plan_emission
+from concur.inductor.wrapper_build import build_call
+from concur.inductor.wrapper_emit import Emit, _check_names, launch_dag, plan_emission
 from concur.inductor.wrapper_parse import WORLD, parse_wrapper
 
 WRAPPER = """

@@ -31,7 +31,8 @@ import schedulers
 from concur.dag.cost import Roofline
 from concur.dag.decide import schedule_graph
 from concur.inductor.placement import place_kernels
-from concur.inductor.wrapper_emit import build_call, kept_reuses, launch_dag, plan_emission
+from concur.inductor.wrapper_build import build_call
+from concur.inductor.wrapper_emit import kept_reuses, launch_dag, plan_emission
 from concur.inductor.kernel_signatures import (_cpp_pointer_dtype, _cpp_stores_only, _triton_pointer_dtype,
                                                _triton_signature, kernel_signatures)
 from concur.inductor.wrapper_parse import parse_wrapper, parse_wrapper_source, source_namespace

@@ -37,7 +37,8 @@ from concur.dag import decide
 from concur.dag.cost import Roofline
 from concur.inductor.first_call import Deferred, FirstCall, FirstCallTiming, defer
 from concur.inductor.weight_grads import SplitCall
-from concur.inductor.wrapper_emit import (KernelStreamPlan, build_call, check_streams, launch_dag, plan_emission,
+from concur.inductor.wrapper_build import build_call
+from concur.inductor.wrapper_emit import (KernelStreamPlan, check_streams, launch_dag, plan_emission,
                                           written_inputs)
 from concur.inductor.wrapper_parse import KernelProgram, Statement, parse_wrapper
 from concur.inductor.wrapper_split import split_costs, split_weight_gradient_calls

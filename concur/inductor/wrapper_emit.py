@@ -28,24 +28,21 @@ streams of the launches in the generated ``call`` function:
 
 :func:`plan_emission` is pure (data in, data out) and replays its own steps
 with :func:`schedulers.replay`, the checker every schedule passes;
-:func:`build_call` turns the plan into a Python function in the wrapper's own
-namespace, so the kernels, autotuned configs and constants are the ones
-inductor already made.
+:func:`concur.inductor.wrapper_build.build_call` turns the plan into a Python
+function in the wrapper's own namespace, so the kernels, autotuned configs and
+constants are the ones inductor already made.
 
 Whatever is not read fails closed: a launch whose ``stream=`` is not a
 raw-stream lookup made inside the rewritten region (where
-:func:`build_call` repeats it after every switch) fails
+:func:`~concur.inductor.wrapper_build.build_call` repeats it after every switch) fails
 :func:`check_streams`, and the whole graph runs as inductor made it.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
-import itertools
-import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import networkx as nx
 
@@ -55,12 +52,11 @@ from concur.dag import decide
 from concur.dag.hazards import hazard_edges
 from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement
 from concur.inductor.wrapper_program import _ALIGNING_COPIES
-from concur.streams import StreamRuntime
 
 
 @dataclass(frozen=True)
 class Emit:
-    """One step of the rewritten call: a statement, or a stream operation of :class:`StreamRuntime`."""
+    """One step of the rewritten call: a statement, or a stream operation of :class:`concur.streams.StreamRuntime`."""
 
     op: str                        # "stmt", "switch", "wait", "record", "protect"
     statement: Statement | None = None
@@ -387,7 +383,7 @@ def _issue_steps(steps: list[Emit] | tuple[Emit, ...]) -> list[tuple[str, Any]]:
 def check_streams(program: KernelProgram) -> None:
     """Check that every ``stream=`` of the region names a raw-stream lookup made inside it.
 
-    :func:`build_call` repeats those lookups after each stream switch, which
+    :func:`~concur.inductor.wrapper_build.build_call` repeats those lookups after each stream switch, which
     is what moves a launch to its stream. A ``stream=`` bound anywhere else (a
     lookup hoisted above the region, an argument, any other expression) would
     keep its launch on the caller's stream while the events that order it go
@@ -444,83 +440,3 @@ def _check_names(program: KernelProgram, steps: list[Emit]) -> None:
             bound -= s.uses
         else:
             bound |= s.binds
-
-
-_counter = itertools.count()
-
-
-def _located(node: ast.AST) -> ast.AST:
-    """``node`` (made here, not the wrapper's) with a source position, so compile() takes it beside shared nodes."""
-    node.lineno, node.col_offset, node.end_lineno, node.end_col_offset = 1, 0, 1, 0
-    return node
-
-
-def _shared(node: ast.stmt) -> ast.stmt:
-    """A wrapper statement to put in an emitted call as it is; a copy given positions where it has none.
-
-    Parsed statements have positions, and so do those concur makes for them
-    (split ``del`` s, fresh allocations); one that has not would make
-    compile() fail, so it is copied and located rather than changed in place.
-    """
-    if hasattr(node, "lineno"):
-        return node
-    return ast.fix_missing_locations(_located(copy.deepcopy(node)))
-
-
-def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
-               bound_to: Any = None) -> tuple[Callable, StreamRuntime]:
-    """Return the rewritten ``call`` (a function in the wrapper's ``namespace``) and its stream runtime."""
-    runtime = StreamRuntime(plan.num_streams, plan.num_events)
-    rt_name = f"_concur_streams_{next(_counter)}"
-    namespace[rt_name] = runtime
-    unique = {ast.unparse(s.node): s.node for s in program.statements if s.kind == "stream"}
-    stream_lookups = list(unique.values())  # inductor repeats ``stream0 = get_raw_stream(0)`` per kernel
-
-    def rt(method: str, *args: ast.expr) -> ast.stmt:
-        return ast.fix_missing_locations(_located(ast.Expr(ast.Call(
-            func=ast.Attribute(value=ast.Name(rt_name, ast.Load()), attr=method, ctx=ast.Load()),
-            args=list(args), keywords=[]))))
-
-    def names(items) -> list[ast.expr]:
-        return [ast.Name(n, ast.Load()) for n in items]
-
-    # The region shares the wrapper's statement nodes instead of copying them (_shared): compile() only reads an
-    # AST, and nothing below writes to a shared node. Deep copies made building a call cost as much as planning
-    # it (experiments/emit_cost.py).
-    region: list[ast.stmt] = [rt("fork", *names(program.inputs)), *stream_lookups]
-    for step in plan.steps:
-        if step.op == "stmt":
-            region.append(_shared(step.statement.node))
-        elif step.op == "switch":
-            region.append(rt("switch", ast.Constant(step.index)))
-            region += stream_lookups
-        elif step.op in ("wait", "record"):
-            region.append(rt(step.op, ast.Constant(step.index)))
-        elif step.op == "protect":
-            region.append(rt("protect", ast.Name(step.name, ast.Load()),
-                             ast.Tuple([ast.Constant(i) for i in step.streams], ast.Load())))
-    for name, streams in plan.protect_at_end:
-        region.append(rt("protect", ast.Name(name, ast.Load()),
-                         ast.Tuple([ast.Constant(i) for i in streams], ast.Load())))
-    region.append(rt("join", *names(program.outputs)))
-    guarded = _located(ast.Try(body=region, handlers=[_located(ast.ExceptHandler(
-        type=_located(ast.Name("BaseException", ast.Load())), name=None, body=[rt("abort"), _located(ast.Raise())]))],
-        orelse=[], finalbody=[]))
-
-    # new containers on the path to the region, the wrapper's own nodes everywhere else
-    fn = copy.copy(program.function)
-    fn.name = f"{rt_name}_call"
-    fn.decorator_list = []
-    fn.body = list(fn.body)
-    body = fn.body
-    if program.guarded:
-        at = next(i for i, s in enumerate(fn.body) if isinstance(s, ast.With))
-        fn.body[at] = copy.copy(fn.body[at])
-        fn.body[at].body = body = list(fn.body[at].body)
-    body[program.start:program.end] = [guarded]
-    module = ast.Module(body=[fn], type_ignores=[])
-    exec(compile(module, f"<concur streams over {namespace.get('__file__', 'inductor output')}>", "exec"), namespace)
-    call = namespace[fn.name]
-    if bound_to is not None:
-        call = types.MethodType(call, bound_to)
-    return call, runtime
