@@ -114,6 +114,19 @@ def _value(node: fx.Node) -> object:
     return node.meta.get("val")
 
 
+def _flops(node: fx.Node) -> int:
+    """Return the FLOPs torch's own formulas count for one op (torch.utils.flop_counter), run on meta tensors."""
+    if compat.op_counts_no_flops(node.target):  # most ops: running them on meta tensors would say 0 anyway
+        return 0
+    try:  # meta tensors need no device to run
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda u: _meta_like(_value(u)))
+        with FlopCounterMode(display=False) as counter:
+            node.target(*args, **kwargs)
+        return counter.get_total_flops()
+    except Exception:  # noqa: BLE001 - no meta kernel or symbolic shapes: treat as fused pointwise work
+        return 0
+
+
 def aten_cost(node: fx.Node) -> AtenCost:
     """Return the fused-kernel cost of one op from the fake values AOTAutograd left in ``meta['val']``."""
     out_bytes = sum(t.numel() * t.element_size() for t in tensors_in(_value(node)))
@@ -121,16 +134,7 @@ def aten_cost(node: fx.Node) -> AtenCost:
                    for t in tensors_in(_value(u)))
     if is_view(node):
         return AtenCost(0, 0, 0, fused=True, is_view=True)
-    flops = 0
-    if compat.op_counts_no_flops(node.target):  # most ops: running them on meta tensors would say 0 anyway
-        return AtenCost(0, out_bytes, in_bytes, fused=True, is_view=False)
-    try:  # FLOP formulas are torch's own (torch.utils.flop_counter); meta tensors need no device to run
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda u: _meta_like(_value(u)))
-        with FlopCounterMode(display=False) as counter:
-            node.target(*args, **kwargs)
-        flops = counter.get_total_flops()
-    except Exception:  # noqa: BLE001 - no meta kernel or symbolic shapes: treat as fused pointwise work
-        flops = 0
+    flops = _flops(node)
     return AtenCost(flops, out_bytes, in_bytes, fused=flops == 0, is_view=False)
 
 

@@ -79,9 +79,9 @@ def build_call(program: KernelProgram, plan: KernelStreamPlan, namespace: dict,
         region.append(rt("protect", ast.Name(name, ast.Load()),
                          ast.Tuple([ast.Constant(i) for i in streams], ast.Load())))
     region.append(rt("join", *names(program.outputs)))
-    guarded = _located(ast.Try(body=region, handlers=[_located(ast.ExceptHandler(
-        type=_located(ast.Name("BaseException", ast.Load())), name=None, body=[rt("abort"), _located(ast.Raise())]))],
-        orelse=[], finalbody=[]))
+    handler = ast.fix_missing_locations(_located(ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()),
+                                                                   name=None, body=[rt("abort"), ast.Raise()])))
+    guarded = _located(ast.Try(body=region, handlers=[handler], orelse=[], finalbody=[]))
 
     # new containers on the path to the region, the wrapper's own nodes everywhere else
     fn = copy.copy(program.function)
