@@ -67,6 +67,13 @@
 #   emit30         the fused route's checks after emission stopped copying the wrapper (the auto and fused tests of
 #                  tests/test_gpu.py, the step decision, the lean step's fused test, the fused envelope and sanitizer on
 #                  GoogLeNet) side by side; then setup29 on EMIT30_SPECS (default: fused GoogLeNet b32, streams="auto")
+#   trace31        emit30's checks side by side with a cold setup of fused GoogLeNet b32 (warms inductor's cache); then,
+#                  one at a time, setup_cost.py --trace on TRACE31_SPECS (streams and CONCUR_MEASURE, default: auto and
+#                  4, timing on, on with --keep-cache, and off): where setup's CUDA-graph work goes; $OUT/trace31.txt
+#   cost31         what the measured decisions add to fused GoogLeNet b32's setup: setup29 with COST31_PAIRS (default 3)
+#                  warm pairs on streams="auto" (tests/test_gpu.py's auto test beside its cold pair), then trace31's
+#                  --trace of "auto" and 4 streams with timing on, then setup29 on 4 streams; $OUT/setup29.txt,
+#                  $OUT/setup29.jsonl, $OUT/trace31.txt, $OUT/auto_test.log
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -325,6 +332,29 @@ for step in "$@"; do
              fused_checks ordered_reuse "googlenet" "googlenet"
              end_parallel emit30 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600
              SETUP29_SPECS="${EMIT30_SPECS:-googlenet 32 auto --compile}" bash "$0" setup29 ;;
+    trace31) begin_parallel trace31  # the fused checks beside a cold setup, then where the captures' seconds go
+             [ -n "${TRACE31_ONLY:-}" ] || {  # TRACE31_ONLY=1: the traces alone (inductor's cache warm already)
+             t auto python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k "auto_streams or fused"
+             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py -k fused
+             fused_checks ordered_reuse "googlenet" "googlenet"
+             t cold python3 -m experiments.setup_cost --model googlenet --batch 32 --compile --streams auto --trace \
+               --measure 0
+             end_parallel trace31 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:\|setup " 4 600; }
+             IFS=';' read -ra specs <<< "${TRACE31_SPECS:-auto 1;auto 1 --keep-cache;auto 0;4 1;4 1 --keep-cache;4 0}"
+             for spec in "${specs[@]}"; do  # one at a time: wall times
+               set -- $spec
+               timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 -m experiments.setup_cost --model googlenet \
+                 --batch 32 --compile --streams $1 --measure $2 ${3:-} --trace 2>&1 | grep -v Warning \
+                 | sed -n '/^setup /,$p' | tee -a "$OUT/trace31.txt"
+             done ;;
+    cost31) pytest_cuda tests/test_gpu.py -k auto_streams > "$OUT/auto_test.log" 2>&1 &  # each part within what is left
+            DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) SETUP29_PAIRS=${COST31_PAIRS:-3} \
+              SETUP29_SPECS="googlenet 32 auto --compile" bash "$0" setup29
+            wait; tail -1 "$OUT/auto_test.log"
+            DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) TRACE31_ONLY=1 TRACE31_SPECS="auto 1;4 1" bash "$0" trace31
+            DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) SETUP29_PAIRS=${COST31_PAIRS:-3} \
+              SETUP29_SPECS="googlenet 32 4 --compile" bash "$0" setup29 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

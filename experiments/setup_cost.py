@@ -3,6 +3,15 @@
     PYTHONPATH=. python -m experiments.setup_cost --model googlenet --batch 32 [--compile] [--streams 4|auto]
         [--json out.jsonl]
     PYTHONPATH=. python -m experiments.setup_cost --model googlenet --batch 32 --profile [--measure 0]
+    PYTHONPATH=. python -m experiments.setup_cost --model googlenet --batch 32 --compile --streams auto --trace
+        [--keep-cache]
+
+``--trace`` builds one step in this process (decision cache empty) and prints
+where its CUDA-graph work goes: entering and ending each capture, each graph's
+first and second replay (synchronized before and after, so the device's time
+is its own), ``empty_cache`` calls and the timings as a whole.
+``--keep-cache`` does the same with captures that do not empty the
+allocator's cache first (``torch.cuda.graph`` does by default).
 
 ``--profile`` builds one step in this process under cProfile and prints the
 calls that took the most time (cumulative): where setup's seconds go.
@@ -72,6 +81,74 @@ def _profile(args: argparse.Namespace) -> None:
     stats.print_stats(r"concur|graphs\.py|memory\.py|measure|replay|capture|synchron|empty_cache", 45)
 
 
+def _trace(args: argparse.Namespace) -> None:
+    """Print one setup's CUDA-graph work by kind: count and seconds (see the module's docstring)."""
+    import collections
+
+    import torch
+
+    import concur.dag.measure as measure
+    import concur.inductor.first_call as first_call
+    import concur.training.step as step
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter = collections.Counter()
+    replays: collections.Counter = collections.Counter()
+    in_enter = [False]
+
+    def timed(kind: str, fn, *a, **k):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            seconds[kind] += time.perf_counter() - start
+            counts[kind] += 1
+
+    enter, exit_, replay, empty, rounds = (torch.cuda.graph.__enter__, torch.cuda.graph.__exit__,
+                                           torch.cuda.CUDAGraph.replay, torch.cuda.empty_cache,
+                                           measure.replay_rounds)
+
+    def traced_enter(self):
+        in_enter[0] = True
+        try:
+            return timed("capture: enter", enter, self)
+        finally:
+            in_enter[0] = False
+
+    def traced_empty():
+        if in_enter[0] and args.keep_cache:
+            return None
+        return timed("empty_cache (in capture enter)" if in_enter[0] else "empty_cache (elsewhere)", empty)
+
+    def traced_replay(self):
+        n = replays[id(self)]
+        replays[id(self)] += 1
+        if n > 1:
+            return replay(self)
+        torch.cuda.synchronize()
+        timed(f"replay {n + 1}: host", replay, self)
+        return timed(f"replay {n + 1}: device after host", torch.cuda.synchronize)
+
+    torch.cuda.graph.__enter__ = traced_enter
+    torch.cuda.graph.__exit__ = lambda self, *a: timed("capture: end (instantiate)", exit_, self, *a)
+    torch.cuda.CUDAGraph.replay = traced_replay
+    torch.cuda.empty_cache = traced_empty
+    measure.replay_rounds = lambda *a, **k: timed("timings (replay_rounds, all of it)", rounds, *a, **k)
+    # what the measured decisions cost in all: a graph's first call (its real call, timing, building the winner)
+    # and the step's decision (its captures and rounds); the rest of setup runs with timing off as well
+    first_call_fn, decide_step = first_call.FirstCall.__call__, step.decide_step_streams
+    first_call.FirstCall.__call__ = lambda self, a: timed("first calls (FirstCall, all of it)", first_call_fn, self, a)
+    step.decide_step_streams = lambda *a, **k: timed("step decision (decide_step_streams)", decide_step, *a, **k)
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["CONCUR_CACHE_DIR"] = cache
+        os.environ["CONCUR_MEASURE"] = args.measure
+        seconds_setup, _ = _one(args)
+    print(f"setup {seconds_setup:.3f} s, CONCUR_MEASURE={args.measure}, streams={args.streams}, "
+          f"keep_cache={args.keep_cache}")
+    for kind in sorted(seconds):
+        print(f"  {kind:40s} {counts[kind]:4d} calls {seconds[kind]:8.3f} s")
+
+
 def _child(args: argparse.Namespace, measure: bool, cache: str) -> tuple[float, float]:
     command = [sys.executable, "-m", "experiments.setup_cost", "--child", "--model", args.model, "--batch",
                str(args.batch), "--streams", args.streams, "--calls", str(args.calls)] + \
@@ -96,11 +173,17 @@ def main() -> None:
                     help="warm (off, on) pairs after the cold pair, alternating; the table gives their medians")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one setup in this process")
-    ap.add_argument("--measure", default="1", help="with --profile: CONCUR_MEASURE (1 times decisions, 0 not)")
+    ap.add_argument("--measure", default="1", help="with --profile or --trace: CONCUR_MEASURE (1 times decisions, 0 not)")
+    ap.add_argument("--trace", action="store_true", help="one setup in this process: its CUDA-graph work by kind")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="with --trace: captures do not empty the allocator's cache first")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.profile:
         _profile(args)
+        return
+    if args.trace:
+        _trace(args)
         return
     if args.child:
         print("%.3f %.3f" % _one(args))

@@ -232,7 +232,13 @@ def test_a_timing_is_settled_only_when_every_round_gives_the_same_clear_answer()
     assert settled([(1.0, 0.5)] * SETTLED_ROUNDS)  # faster by far more than twice the margin
     assert settled([(1.0, 1.2)] * SETTLED_ROUNDS)  # slower: dropped
     assert settled([(1.0, 1.2, 1.1)] * SETTLED_ROUNDS)  # every candidate slower: dropped, whichever is best
-    assert not settled([(1.0, 0.5, 0.6)] * SETTLED_ROUNDS)  # the pick among faster candidates: every round
+    assert settled([(1.0, 0.5, 0.6)] * SETTLED_ROUNDS)  # the pick among faster candidates, clear in every round
+    assert settled([(1.0, 0.6, 0.5, 0.502)] * SETTLED_ROUNDS)  # the same two within the margin in every round
+    assert not settled([(1.0, 0.5, 0.6), (1.0, 0.6, 0.5), (1.0, 0.5, 0.6)])  # rounds pick differently
+    assert not settled([(1.0, 0.5, 0.507)] * SETTLED_ROUNDS)  # one candidate between margin and twice the margin
+    # within the margin of each other in every round, whichever is faster: the pick is the fewer streams of the two
+    assert settled([(1.0, 0.5, 0.503), (1.0, 0.5, 0.497), (1.0, 0.5, 0.503)])
+    assert not settled([(1.0, 0.5, 0.503), (1.0, 0.5, 0.6), (1.0, 0.5, 0.503)])  # a pair, then one alone
     assert not settled([(1.0, 0.99)] * SETTLED_ROUNDS)  # inside the margin's band
     assert not settled([(1.0, 0.5), (1.0, 1.2), (1.0, 0.5)])  # rounds disagree
     assert not settled([(0.0, 0.5)] * SETTLED_ROUNDS)  # a round that timed nothing

@@ -215,17 +215,28 @@ def settled(rounds: Sequence[tuple[float, ...]], margin: float = MARGIN) -> bool
 
     True after :data:`SETTLED_ROUNDS` or more rounds where every round says
     the same with room to spare: every candidate slower than one stream
-    (dropped, whichever candidate is best), or the only candidate faster by
-    twice ``margin``. Between those, and for the pick among several
-    candidates that beat one stream, all the rounds are timed: there the
-    median decides by a little, and a round is a setup cost of a few steps.
+    (dropped, whichever candidate is best), or the fastest candidate faster
+    by twice ``margin`` with the same candidates within ``margin`` of it in
+    every round and the others beyond twice ``margin`` (``"auto"``'s pick,
+    the fewest streams among those within the margin, is then the same in
+    every round). In between, all the rounds are timed: there the median
+    decides by a little, and a round is a setup cost of a few steps per
+    program.
     """
     if len(rounds) < SETTLED_ROUNDS or any(len(r) < 2 or r[0] <= 0 for r in rounds):
         return False
     ratios = [min(r[1:]) / r[0] for r in rounds]  # best candidate over one stream, per round
     if all(x > 1.0 for x in ratios):
         return True
-    return all(len(r) == 2 for r in rounds) and all(x < 1 - 2 * margin for x in ratios)
+    if not all(x < 1 - 2 * margin for x in ratios):
+        return False
+    near = set()
+    for r in rounds:
+        fastest = min(r[1:])
+        if any(fastest * (1 + margin) < t <= fastest * (1 + 2 * margin) for t in r[1:]):
+            return False  # a candidate in the band between: which side it falls on is the median's call
+        near.add(frozenset(j for j, t in enumerate(r[1:]) if t <= fastest * (1 + margin)))
+    return len(near) == 1
 
 
 def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDUP, timer: Timer | None = None,
