@@ -158,3 +158,20 @@ def test_rounds_stop_once_settled_and_the_timing_memory_is_given_back(monkeypatc
     assert cuda.log[-1] == ("empty_cache", 0) and cuda.alive() == 0
     cuda.replay_ms = lambda i: 1.0 if i == 0 else 0.995  # within the margin: every round is timed
     assert len(measure.alternating_replays(lambda: None, lambda: None, torch.device("cuda"))) == measure.ROUNDS
+
+
+def test_slower_programs_are_replayed_fewer_times_a_round(monkeypatch):
+    """Faked CUDA: a round's block of each program lasts about measure.BLOCK_MS, so a timing at batch 128 costs about
+    what it costs at batch 8; one replay each first (uncounted in the rounds) says how long a program runs."""
+    from tests.fake_cuda_graphs import fake_cuda
+
+    assert measure.block_replays([0.5, 0.4]) == measure.REPLAYS  # fast programs: every replay a round allows
+    assert measure.block_replays([2.6, 2.5]) == 2  # the fastest fills BLOCK_MS in two
+    assert measure.block_replays([12.0, 9.0]) == 1  # never fewer than one
+    assert measure.block_replays([0.0, 1.0]) == measure.REPLAYS  # nothing measured: as many as allowed
+    cuda = fake_cuda(monkeypatch)
+    replays = []
+    cuda.replay_ms = lambda i: replays.append(i) or (8.0 if i == 0 else 6.0)
+    rounds = measure.alternating_replays(lambda: None, lambda: None, torch.device("cuda"))
+    assert rounds[0] == (8.0, 6.0)
+    assert len(replays) == 2 + 2 * len(rounds)  # the first replay of each, then one of each per round

@@ -20,6 +20,7 @@ fx path); the random number generators are put back as they were
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -30,7 +31,10 @@ from concur.dag import decide
 from concur.dag.decide import Timer
 
 ROUNDS = 7     # at most this many rounds of alternating replays; the decision takes their median
-REPLAYS = 5    # replays of each program per round, timed as one interval
+REPLAYS = 5    # at most this many replays of each program per round, timed as one interval
+# a round's block of one program lasts about this long: fewer replays for slower programs (at least one), so a
+# timing costs about the same at batch 128 as at batch 8; one replay of a CUDA graph varies far less than 1%
+BLOCK_MS = 5.0
 # calls of each program before capture: one loads its kernels, makes cuBLAS's handle for each stream and runs
 # inductor's autotuning, which a capture cannot; the times come from replays, which no later call changes
 WARMUP = 1
@@ -143,6 +147,7 @@ def _timed_rounds(programs: Sequence[Callable[[], Any]], rounds: int, replays: i
             program()
     torch.cuda.current_stream().wait_stream(capture_stream)
     n = len(graphs)
+    replays = block_replays([_replay_ms(g) for g in graphs], replays)
     times: list[tuple[float, ...]] = []
     for r in range(rounds):
         ms = [0.0] * n
@@ -158,6 +163,24 @@ def _timed_rounds(programs: Sequence[Callable[[], Any]], rounds: int, replays: i
         if settled is not None and settled(times):
             break
     return times
+
+
+def block_replays(first_ms: Sequence[float], replays: int = REPLAYS, block_ms: float = BLOCK_MS) -> int:
+    """Replays per program and round: enough for the fastest program's block to last ``block_ms``, 1 to ``replays``."""
+    fastest = min(first_ms, default=0.0)
+    if fastest <= 0:
+        return replays
+    return max(1, min(replays, math.ceil(block_ms / fastest)))
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """Replay ``graph`` once (its first replay, which no round then pays) and return how long it took, in ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 # the capture stream of the innermost captures_into block, for replay_rounds
