@@ -95,6 +95,7 @@ def _trace(args: argparse.Namespace) -> None:
     counts: collections.Counter = collections.Counter()
     replays: collections.Counter = collections.Counter()
     in_enter = [False]
+    entered = [0.0]  # when the capture's body began
 
     def timed(kind: str, fn, *a, **k):
         start = time.perf_counter()
@@ -114,6 +115,12 @@ def _trace(args: argparse.Namespace) -> None:
             return timed("capture: enter", enter, self)
         finally:
             in_enter[0] = False
+            entered[0] = time.perf_counter()
+
+    def traced_exit(self, *a):
+        seconds["capture: body (the program's launches)"] += time.perf_counter() - entered[0]
+        counts["capture: body (the program's launches)"] += 1
+        return timed("capture: end (instantiate)", exit_, self, *a)
 
     def traced_empty():
         if in_enter[0] and args.keep_cache:
@@ -128,12 +135,15 @@ def _trace(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         timed(f"replay {n + 1}: host", replay, self)
         return timed(f"replay {n + 1}: device after host", torch.cuda.synchronize)
-
     torch.cuda.graph.__enter__ = traced_enter
-    torch.cuda.graph.__exit__ = lambda self, *a: timed("capture: end (instantiate)", exit_, self, *a)
+    torch.cuda.graph.__exit__ = traced_exit
     torch.cuda.CUDAGraph.replay = traced_replay
     torch.cuda.empty_cache = traced_empty
     measure.replay_rounds = lambda *a, **k: timed("timings (replay_rounds, all of it)", rounds, *a, **k)
+    # replay_rounds less this is the warm-up: one eager call of each program (a forward's first call loads its
+    # kernels and runs inductor's autotuning there, which its first real call would do with timing off)
+    captured = measure._timed_rounds
+    measure._timed_rounds = lambda *a, **k: timed("timings: captures and rounds (_timed_rounds)", captured, *a, **k)
     # what the measured decisions cost in all: a graph's first call (its real call, timing, building the winner)
     # and the step's decision (its captures and rounds); the rest of setup runs with timing off as well
     first_call_fn, decide_step = first_call.FirstCall.__call__, step.decide_step_streams
