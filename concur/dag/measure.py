@@ -147,18 +147,13 @@ def _timed_rounds(programs: Sequence[Callable[[], Any]], rounds: int, replays: i
             program()
     torch.cuda.current_stream().wait_stream(capture_stream)
     n = len(graphs)
-    replays = block_replays([_replay_ms(g) for g in graphs], replays)
+    # each graph's first replay, which no round then pays, says how many replays fill a round's block
+    replays = block_replays([_replays_ms(g, 1) for g in graphs], replays)
     times: list[tuple[float, ...]] = []
     for r in range(rounds):
         ms = [0.0] * n
         for i in [(r + k) % n for k in range(n)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graphs[i].replay()
-            end.record()
-            end.synchronize()
-            ms[i] = start.elapsed_time(end) / replays
+            ms[i] = _replays_ms(graphs[i], replays)
         times.append(tuple(ms))
         if settled is not None and settled(times):
             break
@@ -173,14 +168,15 @@ def block_replays(first_ms: Sequence[float], replays: int = REPLAYS, block_ms: f
     return max(1, min(replays, math.ceil(block_ms / fastest)))
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-    """Replay ``graph`` once (its first replay, which no round then pays) and return how long it took, in ms."""
+def _replays_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Replay ``graph`` ``replays`` times in a row, timed as one interval; return the ms of one replay."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    graph.replay()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / replays
 
 
 # the capture stream of the innermost captures_into block, for replay_rounds
