@@ -67,7 +67,8 @@
 #   emit30         the fused route's checks after emission stopped copying the wrapper (the auto and fused tests of
 #                  tests/test_gpu.py, the step decision, the lean step's fused test, the fused envelope and sanitizer on
 #                  GoogLeNet) side by side; then setup29 on EMIT30_SPECS (default: fused GoogLeNet b32, streams="auto")
-#   trace31        emit30's checks and tests/test_measure.py side by side with a cold setup of fused GoogLeNet b32 (warms inductor's cache); then,
+#   trace31        emit30's checks and tests/test_measure.py side by side with a cold setup of fused GoogLeNet b32
+#                  (it warms inductor's cache); then,
 #                  one at a time, setup_cost.py --trace on TRACE31_SPECS (streams and CONCUR_MEASURE, default: auto and
 #                  4, timing on, on with --keep-cache, and off): where setup's CUDA-graph work goes; $OUT/trace31.txt
 #   cost31         what the measured decisions add to fused GoogLeNet b32's setup: setup29 with COST31_PAIRS (default 3)

@@ -105,9 +105,13 @@ def _trace(args: argparse.Namespace) -> None:
             seconds[kind] += time.perf_counter() - start
             counts[kind] += 1
 
-    enter, exit_, replay, empty, rounds = (torch.cuda.graph.__enter__, torch.cuda.graph.__exit__,
-                                           torch.cuda.CUDAGraph.replay, torch.cuda.empty_cache,
-                                           measure.replay_rounds)
+    def count(owner: object, name: str, kind: str) -> None:
+        """Count the calls of ``owner.name`` and their seconds under ``kind``."""
+        fn = getattr(owner, name)
+        setattr(owner, name, lambda *a, **k: timed(kind, fn, *a, **k))
+
+    enter, exit_, replay, empty = (torch.cuda.graph.__enter__, torch.cuda.graph.__exit__,
+                                   torch.cuda.CUDAGraph.replay, torch.cuda.empty_cache)
 
     def traced_enter(self):
         in_enter[0] = True
@@ -135,20 +139,19 @@ def _trace(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         timed(f"replay {n + 1}: host", replay, self)
         return timed(f"replay {n + 1}: device after host", torch.cuda.synchronize)
+
     torch.cuda.graph.__enter__ = traced_enter
     torch.cuda.graph.__exit__ = traced_exit
     torch.cuda.CUDAGraph.replay = traced_replay
     torch.cuda.empty_cache = traced_empty
-    measure.replay_rounds = lambda *a, **k: timed("timings (replay_rounds, all of it)", rounds, *a, **k)
+    count(measure, "replay_rounds", "timings (replay_rounds, all of it)")
     # replay_rounds less this is the warm-up: one eager call of each program (a forward's first call loads its
     # kernels and runs inductor's autotuning there, which its first real call would do with timing off)
-    captured = measure._timed_rounds
-    measure._timed_rounds = lambda *a, **k: timed("timings: captures and rounds (_timed_rounds)", captured, *a, **k)
+    count(measure, "_timed_rounds", "timings: captures and rounds (_timed_rounds)")
     # what the measured decisions cost in all: a graph's first call (its real call, timing, building the winner)
     # and the step's decision (its captures and rounds); the rest of setup runs with timing off as well
-    first_call_fn, decide_step = first_call.FirstCall.__call__, step.decide_step_streams
-    first_call.FirstCall.__call__ = lambda self, a: timed("first calls (FirstCall, all of it)", first_call_fn, self, a)
-    step.decide_step_streams = lambda *a, **k: timed("step decision (decide_step_streams)", decide_step, *a, **k)
+    count(first_call.FirstCall, "__call__", "first calls (FirstCall, all of it)")
+    count(step, "decide_step_streams", "step decision (decide_step_streams)")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["CONCUR_CACHE_DIR"] = cache
         os.environ["CONCUR_MEASURE"] = args.measure
@@ -183,7 +186,8 @@ def main() -> None:
                     help="warm (off, on) pairs after the cold pair, alternating; the table gives their medians")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile one setup in this process")
-    ap.add_argument("--measure", default="1", help="with --profile or --trace: CONCUR_MEASURE (1 times decisions, 0 not)")
+    ap.add_argument("--measure", default="1",
+                    help="with --profile or --trace: CONCUR_MEASURE (1 times decisions, 0 not)")
     ap.add_argument("--trace", action="store_true", help="one setup in this process: its CUDA-graph work by kind")
     ap.add_argument("--keep-cache", action="store_true",
                     help="with --trace: captures do not empty the allocator's cache first")

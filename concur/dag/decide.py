@@ -232,11 +232,16 @@ def settled(rounds: Sequence[tuple[float, ...]], margin: float = MARGIN) -> bool
         return False
     near = set()
     for r in rounds:
-        fastest = min(r[1:])
-        if any(fastest * (1 + margin) < t <= fastest * (1 + 2 * margin) for t in r[1:]):
+        if near_fastest(r[1:], margin) != near_fastest(r[1:], 2 * margin):
             return False  # a candidate in the band between: which side it falls on is the median's call
-        near.add(frozenset(j for j, t in enumerate(r[1:]) if t <= fastest * (1 + margin)))
+        near.add(near_fastest(r[1:], margin))
     return len(near) == 1
+
+
+def near_fastest(times: Sequence[float], margin: float = MARGIN) -> frozenset[int]:
+    """Return the positions of the times within ``margin`` of the fastest: the candidates ``"auto"`` picks among."""
+    fastest = min(times)
+    return frozenset(j for j, t in enumerate(times) if t <= fastest * (1 + margin))
 
 
 def decide(what: str, prediction: Prediction, *, min_speedup: float = MIN_SPEEDUP, timer: Timer | None = None,
@@ -329,10 +334,8 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
         i = worth[by_prediction([candidates[i] for i in worth])]
         return Decision(True, candidates[i], None, "prediction",
                         f"{_predicted(candidates[i])}; timing failed ({type(exc).__name__}: {why})", i)
-    fastest = min(times)
     # the fewest streams within the margin of the fastest: as fast, with fewer streams' memory and launches
-    pick = min((j for j, t in enumerate(times) if t <= fastest * (1 + margin)),
-               key=lambda j: (candidates[worth[j]].num_streams, times[j]))
+    pick = min(near_fastest(times, margin), key=lambda j: (candidates[worth[j]].num_streams, times[j]))
     i, p = worth[pick], candidates[worth[pick]]
     m = Measured(one, times[pick], len(rounds), tuple(times) if len(times) > 1 else ())
     keep = m.streams_ms < m.one_stream_ms * (1 - margin)
