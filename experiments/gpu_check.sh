@@ -289,7 +289,7 @@ for step in "$@"; do
              for spec in "${specs[@]}"; do  # one at a time: setup times are wall times
                set -- $spec
                timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 -m experiments.setup_cost --model $1 \
-                 --batch $2 --streams $3 ${4:-} --pairs ${SETUP29_PAIRS:-1} --json "$OUT/setup29.jsonl" 2>&1 | grep -v Warning | tail -3 \
+                 --batch $2 --streams $3 ${4:-} --pairs ${SETUP29_PAIRS:-1} --json "$OUT/setup29.jsonl" 2>&1 | grep -v Warning \
                  | tee -a "$OUT/setup29.txt"
              done ;;
     profile29) for m in googlenet resnet50; do for on in 1 0; do

@@ -208,6 +208,8 @@ def main() -> None:
     for run, measure in runs:  # warm pairs alternate off and on: a drift of the machine reaches both
         with tempfile.TemporaryDirectory() as cache:  # no decision read back: every one is timed
             seconds[run], through[run] = _child(args, measure, cache)
+        # each run as it ends: a caller's deadline that cuts the pairs short keeps the runs before it
+        print(f"{run}: setup {seconds[run]:.2f} s, through {args.calls} calls {through[run]:.2f} s", flush=True)
     for side in ("off", "on"):  # the median of the warm runs of each side
         for table in (seconds, through):
             table[side] = statistics.median(table[f"{side} {i}"] for i in range(args.pairs))
