@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "below this ratio to the recipe, for a run alone")
     args = ap.parse_args(argv)
     if args.below is not None:
-        print("\n".join(f"{model} {route}" for model, route in below(args.run, args.below)))
+        for model, route in below(args.run, args.below):  # none below: no line (bench29.sh reads one per model)
+            print(f"{model} {route}")
         return 0
     print("\n".join(table(args.run)))
     if args.jsonl:
