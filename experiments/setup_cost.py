@@ -44,8 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _one(args: argparse.Namespace) -> float:
-    """Seconds to build the step and run its first call, in this process."""
+def _one(args: argparse.Namespace, phases: dict[str, float] | None = None) -> tuple[float, float]:
+    """Seconds to build the step and run its first call, and through ``args.calls`` calls, in this process.
+
+    ``phases`` (where given) gets the seconds of building the step alone.
+    """
     import torch
 
     import concur
@@ -57,6 +60,8 @@ def _one(args: argparse.Namespace) -> float:
     start = time.perf_counter()
     step = concur.train_step(model, loss_fn, opt(model.parameters()), batch, streams=streams,
                              amp_dtype=torch.bfloat16, compile=args.compile)
+    if phases is not None:
+        phases["build"] = time.perf_counter() - start
     step(*batch)
     torch.cuda.synchronize()
     first = time.perf_counter() - start
@@ -65,6 +70,37 @@ def _one(args: argparse.Namespace) -> float:
     torch.cuda.synchronize()
     return first, time.perf_counter() - start
 
+
+class _Counted:
+    """Seconds and calls of patched functions, by kind; the patches stay for the life of the process."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.counts: collections.Counter = collections.Counter()
+
+    def timed(self, kind: str, fn, *a, **k):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            self.seconds[kind] += time.perf_counter() - start
+            self.counts[kind] += 1
+
+    def count(self, owner: object, name: str, kind: str) -> None:
+        """Count the calls of ``owner.name`` and their seconds under ``kind``."""
+        fn = getattr(owner, name)
+        setattr(owner, name, lambda *a, **k: self.timed(kind, fn, *a, **k))
+
+    def decisions_code(self) -> None:
+        """Count what the measured decisions run: each graph's first call (its real call, the timing, building the
+        pick; with timing off the real call and the predicted pick) and the step's decision."""
+        import concur.inductor.first_call as first_call
+        import concur.training.step as step
+
+        self.count(first_call.FirstCall, "__call__", "first calls (FirstCall, all of it)")
+        self.count(step, "decide_step_streams", "step decision (decide_step_streams)")
 
 def _profile(args: argparse.Namespace) -> None:
     """Print where one setup (this process, decision cache empty) spends its time, by cumulative seconds."""
@@ -88,27 +124,12 @@ def _trace(args: argparse.Namespace) -> None:
     import torch
 
     import concur.dag.measure as measure
-    import concur.inductor.first_call as first_call
-    import concur.training.step as step
 
-    seconds: dict[str, float] = collections.defaultdict(float)
-    counts: collections.Counter = collections.Counter()
+    counted = _Counted()
+    seconds, counts, timed = counted.seconds, counted.counts, counted.timed
     replays: collections.Counter = collections.Counter()
     in_enter = [False]
     entered = [0.0]  # when the capture's body began
-
-    def timed(kind: str, fn, *a, **k):
-        start = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            seconds[kind] += time.perf_counter() - start
-            counts[kind] += 1
-
-    def count(owner: object, name: str, kind: str) -> None:
-        """Count the calls of ``owner.name`` and their seconds under ``kind``."""
-        fn = getattr(owner, name)
-        setattr(owner, name, lambda *a, **k: timed(kind, fn, *a, **k))
 
     enter, exit_, replay, empty = (torch.cuda.graph.__enter__, torch.cuda.graph.__exit__,
                                    torch.cuda.CUDAGraph.replay, torch.cuda.empty_cache)
@@ -144,14 +165,12 @@ def _trace(args: argparse.Namespace) -> None:
     torch.cuda.graph.__exit__ = traced_exit
     torch.cuda.CUDAGraph.replay = traced_replay
     torch.cuda.empty_cache = traced_empty
-    count(measure, "replay_rounds", "timings (replay_rounds, all of it)")
+    counted.count(measure, "replay_rounds", "timings (replay_rounds, all of it)")
     # replay_rounds less this is the warm-up: one eager call of each program (a forward's first call loads its
     # kernels and runs inductor's autotuning there, which its first real call would do with timing off)
-    count(measure, "_timed_rounds", "timings: captures and rounds (_timed_rounds)")
-    # what the measured decisions cost in all: a graph's first call (its real call, timing, building the winner)
-    # and the step's decision (its captures and rounds); the rest of setup runs with timing off as well
-    count(first_call.FirstCall, "__call__", "first calls (FirstCall, all of it)")
-    count(step, "decide_step_streams", "step decision (decide_step_streams)")
+    counted.count(measure, "_timed_rounds", "timings: captures and rounds (_timed_rounds)")
+    # what the measured decisions cost in all; the rest of setup runs with timing off as well
+    counted.decisions_code()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["CONCUR_CACHE_DIR"] = cache
         os.environ["CONCUR_MEASURE"] = args.measure
@@ -162,18 +181,32 @@ def _trace(args: argparse.Namespace) -> None:
         print(f"  {kind:40s} {counts[kind]:4d} calls {seconds[kind]:8.3f} s")
 
 
-def _child(args: argparse.Namespace, measure: bool, cache: str) -> tuple[float, float]:
+def _child_run(args: argparse.Namespace) -> dict:
+    """One setup in this process, for the parent: its times, its phases and the decisions it took."""
+    counted = _Counted()
+    counted.decisions_code()
+    phases: dict[str, float] = {}
+    first, through = _one(args, phases)
+    decisions = []
+    for path in sorted(Path(os.environ["CONCUR_CACHE_DIR"]).glob("decisions/*.json")):
+        result = json.loads(path.read_text()).get("result", {})
+        if isinstance(result, dict):
+            decisions.append({k: result.get(k) for k in ("what", "keep", "num_streams", "rounds")})
+    return {"first": first, "through": through, "build": phases["build"],
+            "decisions_code": sum(counted.seconds.values()), "decisions": decisions}
+
+
+def _child(args: argparse.Namespace, measure: bool, cache: str) -> dict:
     command = [sys.executable, "-m", "experiments.setup_cost", "--child", "--model", args.model, "--batch",
                str(args.batch), "--streams", args.streams, "--calls", str(args.calls)] + \
         (["--compile"] if args.compile else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CONCUR_MEASURE": "1" if measure else "0",
            "CONCUR_CACHE_DIR": cache}
     out = subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=900)
-    first, through = out.stdout.strip().splitlines()[-1].split()
-    return float(first), float(through)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="googlenet")
     ap.add_argument("--batch", type=int, default=32)
@@ -192,7 +225,7 @@ def main() -> None:
     ap.add_argument("--keep-cache", action="store_true",
                     help="with --trace: captures do not empty the allocator's cache first")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.profile:
         _profile(args)
         return
@@ -200,16 +233,23 @@ def main() -> None:
         _trace(args)
         return
     if args.child:
-        print("%.3f %.3f" % _one(args))
+        print(json.dumps(_child_run(args)))
         return
-    seconds, through = {}, {}
+    seconds, through, runs_seen = {}, {}, {}
     runs = [("cold off", False), ("cold on", True)] + \
         [(f"{side} {i}", measure) for i in range(args.pairs) for side, measure in (("off", False), ("on", True))]
     for run, measure in runs:  # warm pairs alternate off and on: a drift of the machine reaches both
         with tempfile.TemporaryDirectory() as cache:  # no decision read back: every one is timed
-            seconds[run], through[run] = _child(args, measure, cache)
-        # each run as it ends: a caller's deadline that cuts the pairs short keeps the runs before it
-        print(f"{run}: setup {seconds[run]:.2f} s, through {args.calls} calls {through[run]:.2f} s", flush=True)
+            seen = runs_seen[run] = _child(args, measure, cache)
+        seconds[run], through[run] = seen["first"], seen["through"]
+        # each run as it ends: a caller's deadline that cuts the pairs short keeps the runs before it. The build
+        # (train_step's constructor) and the decisions' code (each graph's first call, with or without timing, and
+        # the step's decision) say in which part a slow setup was slow
+        picks = ", ".join(f"{'kept' if d['keep'] else 'dropped'} {d['num_streams']} in {d['rounds']} rounds"
+                          for d in seen["decisions"])
+        print(f"{run}: setup {seconds[run]:.2f} s, through {args.calls} calls {through[run]:.2f} s; build "
+              f"{seen['build']:.2f} s, decisions' code {seen['decisions_code']:.2f} s; decisions: {picks or 'none'}",
+              flush=True)
     for side in ("off", "on"):  # the median of the warm runs of each side
         for table in (seconds, through):
             table[side] = statistics.median(table[f"{side} {i}"] for i in range(args.pairs))
@@ -226,7 +266,8 @@ def main() -> None:
             f.write(json.dumps({"label": label, "pairs": args.pairs,
                                 **{k.replace(' ', '_') + '_s': v for k, v in seconds.items()},
                                 **{k.replace(' ', '_') + f'_{args.calls}_calls_s': v for k, v in through.items()},
-                                "measurement_share": share, "measurement_share_calls": share_calls}) + "\n")
+                                "measurement_share": share, "measurement_share_calls": share_calls,
+                                "runs": runs_seen}) + "\n")
 
 if __name__ == "__main__":
     main()
