@@ -8,6 +8,9 @@
 #   z1 z2 z3   fused default (train_step(compile=True), 4 streams) against peer_compile_graph, a third of the
 #              timm zoo each
 #   z4         the same on torchvision's GoogLeNet, Inception-v3 and ResNet-50
+#   z23        z2 and z3 side by side over one run directory (one GPU lock): 15 networks in one call. More
+#              neighbours compile beside each decision's timing; a network it leaves below 0.99x is timed again
+#              alone, with decisions of its own, while the deadline allows
 #   u1 u2      unfused default (train_step, 4 streams) against peer_eager_graph, half of the zoo each
 # Networks below 0.99x of the recipe are timed again alone while the deadline allows (RUN_DIR/alone/: neighbours
 # compiling on the host slowed some steps of the zoo's run). Packs RUN_DIR to $OUT/bench.tgz, with RUN_DIR/zoo_table.md
@@ -35,9 +38,10 @@ case $part in
   z2) fused $zoo2 ;;
   z3) fused $zoo3 ;;
   z4) fused $torchvision ;;
+  z23) fused $zoo2; fused $zoo3 ;;
   u1) unfused $zoo1 $zoo2 ;;
   u2) unfused $zoo3 $torchvision ;;
-  *) echo "unknown part '$part': z1 z2 z3 z4 u1 u2" >&2; exit 2 ;;
+  *) echo "unknown part '$part': z1 z2 z3 z4 z23 u1 u2" >&2; exit 2 ;;
 esac
 wait
 for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
