@@ -75,6 +75,9 @@
 #                  warm pairs on streams="auto" (tests/test_gpu.py's auto test beside its cold pair), then trace31's
 #                  --trace of "auto" and 4 streams with timing on, then setup29 on 4 streams; $OUT/setup29.txt,
 #                  $OUT/setup29.jsonl, $OUT/trace31.txt, $OUT/auto_test.log
+#   mem32          setup and steady memory of the fused default with its measured decisions and without (CONCUR_MEASURE=0),
+#                  beside the recipe: memory_diff.py, GoogLeNet b8/b64, Inception-v3 b32, ResNet-50 b8 compiled and
+#                  GoogLeNet b8 unfused, one process each; $OUT/mem32.txt, $OUT/mem32.jsonl, $OUT/mem32_logs.tgz
 #   ordered        recheck's first part only: the fused envelope and sanitizer with buffer_reuse="ordered";
 #                  $OUT/ordered.txt, $OUT/ordered_logs.tgz
 #   probe-streams  does this torch's inductor assign streams per fx node (node.meta["custom"]["stream"])?
@@ -357,6 +360,16 @@ for step in "$@"; do
             DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) TRACE31_ONLY=1 TRACE31_SPECS="auto 1;4 1" bash "$0" trace31
             DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) SETUP29_PAIRS=${COST31_PAIRS:-3} \
               SETUP29_SPECS="googlenet 32 4 --compile" bash "$0" setup29 ;;
+    mem32) begin_parallel mem32  # how much of setup's memory over the recipe's is the measured decisions'
+             memory_diffs $OUT/mem32.jsonl "recipe concur" "googlenet 8 --compile" "googlenet 64 --compile" \
+               "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8"
+             for spec in "googlenet 8 --compile" "googlenet 64 --compile" "inception_v3 32 --compile" \
+                         "resnet50 8 --compile" "googlenet 8"; do
+               read -r m b c <<< "$spec"
+               t "mem_${m}_b${b}${c:+_c}_concur_timing_off" env CONCUR_MEASURE=0 python3 experiments/memory_diff.py \
+                 --model $m --batch $b $c --who concur --streams 4 --json $OUT/mem32.jsonl
+             done
+             end_parallel mem32 "_mb\|Error" 2 400 ;;
     ordered) begin_parallel ordered
              ordered_reuse_checks
              end_parallel ordered " passed\| failed\|Error\|sanitized run finished\|deviation\|first update" 4 500 ;;

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 from typing import Iterator
 
 import torch
@@ -150,7 +151,8 @@ def main() -> None:
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     peak, at_peak, end = _live_at_peak_and_end(trace)
     label = f"{args.who} {args.model} b{args.batch} {'compiled' if args.compile else 'eager'} streams={args.streams}" + \
-        (" (no step decision)" if args.no_step_decision else "")
+        (" (no step decision)" if args.no_step_decision else "") + \
+        (" (timing off)" if args.who == "concur" and os.environ.get("CONCUR_MEASURE") == "0" else "")
     print(f"\n{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items()) + f"; traced peak {mb(peak):.1f} MB")
     rows = {}
     for title, live in (("live at the setup peak", at_peak), ("live once set up", end)):
