@@ -242,3 +242,27 @@ def test_a_timing_is_settled_only_when_every_round_gives_the_same_clear_answer()
     assert not settled([(1.0, 0.99)] * SETTLED_ROUNDS)  # inside the margin's band
     assert not settled([(1.0, 0.5), (1.0, 1.2), (1.0, 0.5)])  # rounds disagree
     assert not settled([(0.0, 0.5)] * SETTLED_ROUNDS)  # a round that timed nothing
+
+
+def test_the_wrapper_routes_key_names_the_options_that_change_the_program_timed(monkeypatch):
+    # one schedule, two programs: buffer_reuse "ordered" keeps the reuses it orders, False allocates afresh, and
+    # the split emits other calls; a decision timed on one must not be read back for the other
+    import torch
+
+    import concur
+    from concur.inductor import backend as backend_module
+    from concur.inductor.backend import BackendOptions, ConcurBackend
+
+    monkeypatch.setattr(backend_module, "can_time", lambda device: True)
+    monkeypatch.setattr(backend_module, "environment", lambda device: ("H100", "2.11", "13.0"))
+    inputs = [torch.zeros(2, 3)]
+
+    def key_parts(**options):
+        return ConcurBackend(BackendOptions(**options))._measuring(inputs, is_backward=True)["key_parts"]
+
+    default = key_parts()
+    assert default == key_parts()
+    assert default != key_parts(buffer_reuse=False)
+    assert default != key_parts(split_weight_grads=False)
+    monkeypatch.setattr(concur, "__version__", "0.0.0+other")  # a release that emits differently times again
+    assert default != key_parts()

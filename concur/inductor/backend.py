@@ -290,8 +290,10 @@ class ConcurBackend:
         only where inductor does not say which inputs the graph mutates.
         The cache key holds every input's shape, stride and dtype besides the
         wrapper's source (which place_kernels adds), the device and torch, so
-        a new batch size, dtype or model is timed afresh; it says nothing of
-        when the plan was timed.
+        a new batch size, dtype or model is timed afresh; and the options that
+        change the program timed for one schedule (buffer reuse, the
+        weight-gradient split) and concur's version, which change what is
+        emitted from it. It says nothing of when the plan was timed.
         """
         device = _device_of(example_inputs)
         if not self.options.measure or not can_time(device):
@@ -302,8 +304,11 @@ class ConcurBackend:
         def timer(one: Callable[[list], Any], streams: Sequence[Callable[[list], Any]]) -> decide.Timer:
             return boxed_timer(one, streams, example_inputs, device)
 
+        from concur import __version__  # defined once the package's modules, this one among them, are loaded
+
+        emitted_as = (self.options.buffer_reuse, self.options.split_weight_grads, __version__)
         return {"measure": timer, "cache": JsonCache(), "first_call": FirstCallTiming(device, lambda: can_time(device)),
-                "key_parts": (is_backward, inputs, environment(device), decide.MARGIN)}
+                "key_parts": (is_backward, inputs, environment(device), decide.MARGIN, *emitted_as)}
 
     def _compile_stamped(self, gm: fx.GraphModule, example_inputs: Sequence[Any], is_backward: bool, num_ops: int,
                          args: tuple, kwargs: dict) -> Any:
