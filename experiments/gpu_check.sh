@@ -67,6 +67,8 @@
 #   emit30         the fused route's checks after emission stopped copying the wrapper (the auto and fused tests of
 #                  tests/test_gpu.py, the step decision, the lean step's fused test, the fused envelope and sanitizer on
 #                  GoogLeNet) side by side; then setup29 on EMIT30_SPECS (default: fused GoogLeNet b32, streams="auto")
+#   checks32       trace31's checks alone (the measured decisions on the fused route, side by side); $OUT/checks32.txt,
+#                  $OUT/checks32_logs.tgz
 #   trace31        emit30's checks and tests/test_measure.py side by side with a cold setup of fused GoogLeNet b32
 #                  (it warms inductor's cache); then,
 #                  one at a time, setup_cost.py --trace on TRACE31_SPECS (streams and CONCUR_MEASURE, default: auto and
@@ -139,6 +141,14 @@ memory_diffs() {
         $([ "$who" = concur ] && echo --streams 4) --json "$json"
     done
   done; }
+# the measured decisions on the fused route, side by side: "auto" and the fused tests of tests/test_gpu.py, the step
+# decision, the lean step's fused test, tests/test_measure.py, the fused envelope and sanitizer on GoogLeNet
+decision_checks() {
+  t auto python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k "auto_streams or fused"
+  t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
+  t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py -k fused
+  t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
+  fused_checks ordered_reuse "googlenet" "googlenet"; }
 ordered_reuse_checks() { fused_checks ordered_reuse "googlenet inception_v3 resnet50 hrnet_w18_small" \
                            "googlenet inception_v3 resnet50"; }
 for step in "$@"; do
@@ -336,13 +346,12 @@ for step in "$@"; do
              fused_checks ordered_reuse "googlenet" "googlenet"
              end_parallel emit30 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600
              SETUP29_SPECS="${EMIT30_SPECS:-googlenet 32 auto --compile}" bash "$0" setup29 ;;
+    checks32) begin_parallel checks32  # the measured decisions' checks after their cache key changed
+             decision_checks
+             end_parallel checks32 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600 ;;
     trace31) begin_parallel trace31  # the fused checks beside a cold setup, then where the captures' seconds go
              [ -n "${TRACE31_ONLY:-}" ] || {  # TRACE31_ONLY=1: the traces alone (inductor's cache warm already)
-             t auto python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py -k "auto_streams or fused"
-             t step_streams python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_step_streams.py
-             t lean python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_lean_step.py -k fused
-             t measure python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_measure.py
-             fused_checks ordered_reuse "googlenet" "googlenet"
+             decision_checks
              t cold python3 -m experiments.setup_cost --model googlenet --batch 32 --compile --streams auto --trace \
                --measure 0
              end_parallel trace31 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:\|setup " 4 600; }
