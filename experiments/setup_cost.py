@@ -102,6 +102,7 @@ class _Counted:
         self.count(first_call.FirstCall, "__call__", "first calls (FirstCall, all of it)")
         self.count(step, "decide_step_streams", "step decision (decide_step_streams)")
 
+
 def _profile(args: argparse.Namespace) -> None:
     """Print where one setup (this process, decision cache empty) spends its time, by cumulative seconds."""
     import cProfile
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
                                 **{k.replace(' ', '_') + f'_{args.calls}_calls_s': v for k, v in through.items()},
                                 "measurement_share": share, "measurement_share_calls": share_calls,
                                 "runs": runs_seen}) + "\n")
+
 
 if __name__ == "__main__":
     main()
