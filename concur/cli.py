@@ -200,8 +200,29 @@ def cmd_cache(args: argparse.Namespace) -> int:
             entries = cache.entries()
             print(f"{len(entries)} {what} in {cache.path}")
             for e in entries:
-                print(f"  {e.name}")
+                print(f"  {e.name}{_measured(cache.get(e.stem))}")
     return 0
+
+
+def _measured(result: dict | None) -> str:
+    """What a measured decision says, for ``concur cache list``: kept or dropped, and the times it rests on.
+
+    A decision timed beside other work on the GPU can be wrong and is read
+    back by every later run; this line is how a user finds it.
+    """
+    if not isinstance(result, dict):
+        return ""
+    try:
+        one, streams = float(result["one_stream_ms"]), float(result["streams_ms"])
+        predicted = float(result["predicted_speedup"])
+    except (KeyError, TypeError, ValueError):
+        return ""  # the tuner's entries, or one written by another version: the file's name alone
+    if one <= 0 or streams <= 0:
+        return ""
+    kept = "kept" if result.get("keep") else "dropped"
+    return (f": {result.get('what', 'a graph')}: {kept} {result.get('num_streams', '?')} streams, measured "
+            f"{one / streams:.2f}x ({one:.3f} ms on one stream, {streams:.3f} ms on streams, "
+            f"{result.get('rounds', '?')} rounds), predicted {predicted:.2f}x")
 
 
 def _int_in(low: int, high: int):

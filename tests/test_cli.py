@@ -174,6 +174,19 @@ def test_cache_lists_and_clears(tmp_path, capsys):
     assert TunerCache(tmp_path).get("k1") is None and JsonCache(tmp_path).get("d1") is None
 
 
+def test_cache_list_says_what_each_measured_decision_rests_on(tmp_path, capsys):
+    """A decision timed on a busy GPU is read back by every later run: the list shows its times to find it."""
+    from concur.dag.disk_cache import JsonCache
+
+    JsonCache(tmp_path).put("d2", {"keep": False, "one_stream_ms": 7.185, "streams_ms": 11.04, "rounds": 3,
+                                   "predicted_speedup": 1.116, "num_streams": 4,
+                                   "what": "the forward and backward of ResNet (2 graphs on streams)"})
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "  d2.json: the forward and backward of ResNet (2 graphs on streams): dropped 4 streams, measured 0.65x "
+        "(7.185 ms on one stream, 11.040 ms on streams, 3 rounds), predicted 1.12x")
+
+
 def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code(tmp_path):
     import subprocess
 
