@@ -220,9 +220,11 @@ def _measured(result: dict | None) -> str:
     if one <= 0 or streams <= 0:
         return ""
     kept = "kept" if result.get("keep") else "dropped"
+    others = result.get("other_processes")
+    beside = f"; timed beside {others} other process(es) on the GPU, not reused" if others else ""
     return (f": {result.get('what', 'a graph')}: {kept} {result.get('num_streams', '?')} streams, measured "
             f"{one / streams:.2f}x ({one:.3f} ms on one stream, {streams:.3f} ms on streams, "
-            f"{result.get('rounds', '?')} rounds), predicted {predicted:.2f}x")
+            f"{result.get('rounds', '?')} rounds), predicted {predicted:.2f}x{beside}")
 
 
 def _int_in(low: int, high: int):

@@ -110,7 +110,10 @@ pytest_cuda() { python3 -m pytest -m cuda -q -s --no-header -p no:cacheprovider 
 # workers each, logging to $d/LOG.log with its exit status last), then end_parallel NAME PATTERN LINES WIDTH:
 # one line per log in $OUT/NAME.txt (exit status, log, its last LINES lines matching PATTERN), logs packed.
 begin_parallel() { d=/tmp/$1_logs; rm -rf "$d"; mkdir -p "$d"; left=$(( ${DEADLINE:-585} - SECONDS - 25 )); }
+# processes side by side take turns to time their decisions (CONCUR_MEASURE_LOCK), which also tells concur they share
+# the GPU on purpose: their decisions are reused as on a GPU of their own (concur.dag.measure.others_timing_beside)
 t() { local name=$1; shift; (TORCHINDUCTOR_COMPILE_THREADS=2 CONCUR_GPU_STEPS=${CONCUR_GPU_STEPS:-30} \
+        CONCUR_MEASURE_LOCK=${CONCUR_MEASURE_LOCK:-/tmp/concur_gpu_check.lock} \
         timeout -k 5 $left "$@" > "$d/$name.log" 2>&1; echo "rc=$?" >> "$d/$name.log") & }
 end_parallel() {
   local name=$1 pattern=$2 lines=$3 width=$4 log; wait

@@ -185,6 +185,12 @@ def test_cache_list_says_what_each_measured_decision_rests_on(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == (
         "  d2.json: the forward and backward of ResNet (2 graphs on streams): dropped 4 streams, measured 0.65x "
         "(7.185 ms on one stream, 11.040 ms on streams, 3 rounds), predicted 1.12x")
+    JsonCache(tmp_path).put("d2", {"keep": True, "one_stream_ms": 2.0, "streams_ms": 1.0, "rounds": 7,
+                                   "predicted_speedup": 1.5, "num_streams": 2, "other_processes": 3})
+    main(["cache", "list", "--dir", str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "  d2.json: a graph: kept 2 streams, measured 2.00x (2.000 ms on one stream, 1.000 ms on streams, 7 rounds), "
+        "predicted 1.50x; timed beside 3 other process(es) on the GPU, not reused")
 
 
 def test_python_dash_m_concur_is_the_command_and_passes_on_its_exit_code(tmp_path):

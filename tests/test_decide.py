@@ -266,3 +266,18 @@ def test_the_wrapper_routes_key_names_the_options_that_change_the_program_timed(
     assert default != key_parts(split_weight_grads=False)
     monkeypatch.setattr(concur, "__version__", "0.0.0+other")  # a release that emits differently times again
     assert default != key_parts()
+
+
+def test_a_decision_timed_beside_other_processes_is_stored_to_read_but_timed_again_later():
+    cache = DictCache()
+    busy = FakeTimer([])
+    busy.rounds = decide.TimedRounds([(2.0, 1.5)] * 5, others=2)  # two other processes had work on the GPU
+    first = decide.decide("g", FAST, timer=busy, cache=cache, key="k")
+    assert first.keep and cache.entries["k"]["other_processes"] == 2  # stored, to be read (concur cache list)
+    assert "timed beside 2 other processes on the GPU" in first.reason
+    again = decide.decide("g", FAST, timer=busy, cache=cache, key="k")
+    assert busy.calls == 2 and again.source == "measurement"  # not reused: timed again
+    quiet = FakeTimer(decide.TimedRounds([(2.0, 1.5)] * 5, others=0))
+    decide.decide("g", FAST, timer=quiet, cache=cache, key="k")
+    assert "other_processes" not in cache.entries["k"]
+    assert decide.decide("g", FAST, timer=quiet, cache=cache, key="k").source == "cache" and quiet.calls == 1

@@ -175,3 +175,37 @@ def test_slower_programs_are_replayed_fewer_times_a_round(monkeypatch):
     rounds = measure.alternating_replays(lambda: None, lambda: None, torch.device("cuda"))
     assert rounds[0] == (8.0, 6.0)
     assert len(replays) == 2 + 2 * len(rounds)  # the first replay of each, then one of each per round
+
+
+def test_timings_say_how_many_other_processes_shared_the_gpu_and_warn_once(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure, "_WARNED_BESIDE", set())
+    monkeypatch.delenv(measure.ENVIRONMENT_LOCK, raising=False)
+    monkeypatch.setattr(measure, "other_processes_on", lambda index: 2)
+    with pytest.warns(RuntimeWarning, match="beside 2 other processes on GPU 0"):
+        assert measure.others_timing_beside(torch.device("cuda", 0)) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per device
+        assert measure.others_timing_beside(torch.device("cuda", 0)) == 2
+    monkeypatch.setenv(measure.ENVIRONMENT_LOCK, "/tmp/turns")  # processes that take turns said so: not counted
+    assert measure.others_timing_beside(torch.device("cuda", 0)) is None
+    monkeypatch.delenv(measure.ENVIRONMENT_LOCK)
+    assert measure.others_timing_beside(torch.device("cpu")) is None
+    assert measure.others_timing_beside(None) is None
+
+
+def test_replayed_rounds_carry_the_other_processes_to_the_decision(monkeypatch):
+    """Faked CUDA: what the timing saw of other processes reaches decide (which then does not reuse the decision)."""
+    from concur.dag import decide
+    from tests.fake_cuda_graphs import fake_cuda
+
+    cuda = fake_cuda(monkeypatch)
+    cuda.replay_ms = lambda i: 1.0 if i == 0 else 0.5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(measure, "_WARNED_BESIDE", {0})  # warned already
+    monkeypatch.delenv(measure.ENVIRONMENT_LOCK, raising=False)
+    monkeypatch.setattr(measure, "other_processes_on", lambda index: 1)
+    rounds = measure.alternating_replays(lambda: None, lambda: None, torch.device("cuda", 0))
+    assert isinstance(rounds, decide.TimedRounds) and rounds.others == 1 and rounds[0] == (1.0, 0.5)

@@ -174,3 +174,43 @@ def test_an_unsupported_metric_is_left_empty_and_the_rest_is_sampled():
             drive(mon, clock, 0.5)
     assert len([w for w in caught if "power cannot be read" in str(w.message)]) == 1
     assert all(s.power_w is None and s.memory_used_mb == 1024 for s in mon.record.samples)
+
+
+class _FakeNvml:
+    def __init__(self, processes=(), fail=None):
+        self.processes, self.fail, self.asked, self.open = list(processes), fail, [], 0
+
+    def nvmlInit(self):
+        if self.fail == "init":
+            raise RuntimeError("no driver")
+        self.open += 1
+
+    def nvmlShutdown(self):
+        self.open -= 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self.asked.append(index)
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        if self.fail == "processes":
+            raise RuntimeError("not supported")
+        return self.processes
+
+
+def test_other_processes_on_a_gpu_are_counted_from_nvml_or_unknown(monkeypatch):
+    from concur.dag.nvml import other_processes_on
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = _FakeNvml(processes=["this one", "a neighbour", "another"])
+    assert other_processes_on(0, nvml) == 2 and nvml.open == 0  # counted, not matched by pid; NVML shut again
+    assert other_processes_on(0, _FakeNvml(processes=["this one"])) == 0
+    assert other_processes_on(0, _FakeNvml(processes=[])) is None  # NVML sees no process here, not even this one
+    assert other_processes_on(0, _FakeNvml(fail="init")) is None
+    assert other_processes_on(0, _FakeNvml(fail="processes")) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    nvml = _FakeNvml(processes=["this one"])
+    other_processes_on(1, nvml)
+    assert nvml.asked == [5]  # NVML ignores CUDA_VISIBLE_DEVICES
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f6c1e2a")
+    assert other_processes_on(0, _FakeNvml(processes=["this one", "a neighbour"])) is None

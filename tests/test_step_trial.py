@@ -304,3 +304,29 @@ def test_a_new_plan_after_the_model_changed_is_timed_on_the_calls_after_it(monke
     for x, y in batches[20:]:
         step(x, y)
     assert len(step.step_decisions) == 2 and step.step_decisions[1].source == "measurement"
+
+
+def test_a_decided_trial_says_how_many_other_processes_shared_its_gpu(monkeypatch):
+    """What the first calls' timing saw of other processes on the GPU reaches the decision (decide does not reuse
+    one timed beside them): asked of the trial's device once the rounds decide."""
+    class Done:
+        def __init__(self, ms):
+            self._ms = ms
+
+        def done(self):
+            return True
+
+        def wait(self):
+            pass
+
+        def ms(self):
+            return self._ms
+
+    asked = []
+    monkeypatch.setattr(trial_mod.measure, "others_timing_beside", lambda device: asked.append(device) or 2)
+    trial = trial_mod.StepTrial(("shape",), ["one stream", "plan"], device=torch.device("cuda", 0))
+    for _ in range(SETTLED_CALLS):
+        i, _program = trial.next_program()
+        trial.replayed(i, Done(1.0 if i == 0 else 0.5))
+    rounds = trial.decided()
+    assert rounds is not None and rounds.others == 2 and asked == [torch.device("cuda", 0)]

@@ -73,6 +73,20 @@ AUTO_STREAMS = (2, 3, 4)  # the stream counts streams="auto" weighs against one 
 Timer = Callable[[], Sequence[tuple[float, ...]]]
 
 
+class TimedRounds(list):
+    """A timer's rounds, and how many other processes had work on the GPU as they were timed (None: unknown).
+
+    Their kernels share the device with the timed replays and can turn the
+    answer (ResNeSt-14d's step measured 0.65x on streams beside compiling
+    neighbours, 1.04x alone). Such a decision is stored, so it can be read
+    (``concur cache list``), but not reused: a later run times again.
+    """
+
+    def __init__(self, rounds: Sequence[tuple[float, ...]] = (), others: int | None = None):
+        super().__init__(rounds)
+        self.others = others
+
+
 def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_us: float | None = None
                    ) -> schedulers.Schedule:
     """Return ``dag`` scheduled on up to ``streams`` streams, in clusters worth ``cluster_cost_us`` each.
@@ -339,6 +353,7 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
     i, p = worth[pick], candidates[worth[pick]]
     m = Measured(one, times[pick], len(rounds), tuple(times) if len(times) > 1 else ())
     keep = m.streams_ms < m.one_stream_ms * (1 - margin)
+    others = getattr(rounds, "others", None)
     if cache is not None and key is not None:
         # the prediction's terms ride along: experiments/calibrate.py fits the prediction to these entries
         entry = {"keep": keep, "one_stream_ms": m.one_stream_ms, "streams_ms": m.streams_ms,
@@ -347,8 +362,12 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
                  "what": what, "scope": scope}
         if len(candidates) > 1:
             entry.update(candidate=i, candidates_ms=list(m.candidates_ms))
+        if others:
+            entry["other_processes"] = others  # stored to be read, never reused (_stored)
         cache.put(key, entry)
-    return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin, p)}; {_predicted(p)}", i)
+    beside = (f"; timed beside {others} other process{'es' if others > 1 else ''} on the GPU, so a later run "
+              f"times it again") if others else ""
+    return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin, p)}; {_predicted(p)}{beside}", i)
 
 
 def cached_choice(what: str, candidates: Sequence[Prediction], cache: DecisionCache, key: str,
@@ -367,7 +386,7 @@ def cached_choice(what: str, candidates: Sequence[Prediction], cache: DecisionCa
 def _stored(candidates: list[Prediction], cache: DecisionCache | None, key: str | None,
             margin: float) -> Decision | None:
     stored = cache.get(key) if cache is not None and key is not None else None
-    if stored is None:
+    if not isinstance(stored, dict) or stored.get("other_processes"):  # none, or timed beside other work: again
         return None
     try:
         i = int(stored.get("candidate", 0))

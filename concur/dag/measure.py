@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.decide import Timer
+from concur.dag.nvml import other_processes_on
 
 ROUNDS = 7     # at most this many rounds of alternating replays; the decision takes their median
 REPLAYS = 5    # at most this many replays of each program per round, timed as one interval
@@ -131,7 +133,30 @@ def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, r
             torch.cuda.empty_cache()
         caller.wait_stream(work)
         caller.wait_stream(capture_stream)
-        return times
+        return decide.TimedRounds(times, others_timing_beside(device))
+
+
+def others_timing_beside(device: torch.device | None) -> int | None:
+    """How many other processes had work on ``device`` as it was timed (NVML), warned once; None where unknown.
+
+    Nothing is counted under ``$CONCUR_MEASURE_LOCK``: processes that share
+    the GPU by taking turns to time have said so.
+    """
+    if os.environ.get(ENVIRONMENT_LOCK) or device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    others = other_processes_on(index)
+    if others and index not in _WARNED_BESIDE:
+        _WARNED_BESIDE.add(index)
+        warnings.warn(f"concur: timed its stream decisions beside {others} other process"
+                      f"{'es' if others > 1 else ''} on GPU {index} (NVML); their kernels can turn the answer, so "
+                      f"these decisions are not reused by a later run (`concur cache list` shows them). Processes "
+                      f"that share a GPU on purpose can take turns to time: CONCUR_MEASURE_LOCK=PATH.",
+                      RuntimeWarning, stacklevel=2)
+    return others
+
+
+_WARNED_BESIDE: set[int] = set()  # the devices warned of, once each per process
 
 
 def _timed_rounds(programs: Sequence[Callable[[], Any]], rounds: int, replays: int,

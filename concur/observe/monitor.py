@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from concur.dag.nvml import nvml_index  # noqa: F401 - the monitor's callers read it here
+
 _warned: set[str] = set()
 
 
@@ -149,15 +151,6 @@ def driver_version() -> str:
         return pynvml.nvmlSystemGetDriverVersion()
     except Exception:  # noqa: BLE001 - no library, no driver, no GPU: all mean unknown
         return "unknown"
-
-
-def nvml_index(cuda_index: int = 0) -> int:
-    """Return the NVML index of CUDA device ``cuda_index`` (NVML ignores CUDA_VISIBLE_DEVICES)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    try:
-        return int(visible[cuda_index])
-    except (ValueError, IndexError):
-        return cuda_index
 
 
 def _tensorboard_writer(target: Any) -> Any:

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from concur import _torch_compat as compat
+from concur.dag.annotate import tensors_in
 from concur.fx.decision import PendingChoice
 from concur.training import captured_optim
 from concur.training.gradients import optimized_parameters
@@ -130,7 +131,7 @@ def capture_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: i
     captured = capture_programs(step, inputs, targets, streams, phase, programs,
                                 [step.warmup] + [1] * (len(programs) - 1))
     module.run_plan(programs[choice.program_of_default()])
-    return StepTrial(key, captured)
+    return StepTrial(key, captured, device=next((t.device for t in tensors_in(inputs) if t.is_cuda), None))
 
 
 def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any,

@@ -64,6 +64,7 @@ class StepTrial:
 
     key: tuple
     programs: list[Any]
+    device: Any = None  # the GPU they run on (a torch.device), asked who else works there when they have decided
     timings: list[list[ReplayTiming]] = field(default_factory=list)  # per round, per program: its replays
     _calls: int = 0
 
@@ -102,7 +103,7 @@ class StepTrial:
             self.timings[-1][(issued - 1 + n - 1) % n][-1].wait()  # the round's last program, its last replay
         rounds = self.rounds()
         if len(rounds) >= ROUNDS or (rounds and decide.settled(rounds)):
-            return rounds[:ROUNDS]
+            return decide.TimedRounds(rounds[:ROUNDS], measure.others_timing_beside(self.device))
         return None
 
 
