@@ -67,8 +67,8 @@
 #   emit30         the fused route's checks after emission stopped copying the wrapper (the auto and fused tests of
 #                  tests/test_gpu.py, the step decision, the lean step's fused test, the fused envelope and sanitizer on
 #                  GoogLeNet) side by side; then setup29 on EMIT30_SPECS (default: fused GoogLeNet b32, streams="auto")
-#   checks32       trace31's checks alone (the measured decisions on the fused route, side by side); $OUT/checks32.txt,
-#                  $OUT/checks32_logs.tgz
+#   checks32       trace31's checks alone (the measured decisions on the fused route, side by side), and beside them what
+#                  NVML lists of the other processes on the GPU (concur.dag.nvml); $OUT/checks32.txt, $OUT/checks32_logs.tgz
 #   trace31        emit30's checks and tests/test_measure.py side by side with a cold setup of fused GoogLeNet b32
 #                  (it warms inductor's cache); then,
 #                  one at a time, setup_cost.py --trace on TRACE31_SPECS (streams and CONCUR_MEASURE, default: auto and
@@ -351,7 +351,10 @@ for step in "$@"; do
              SETUP29_SPECS="${EMIT30_SPECS:-googlenet 32 auto --compile}" bash "$0" setup29 ;;
     checks32) begin_parallel checks32  # the measured decisions' checks after their cache key changed
              decision_checks
-             end_parallel checks32 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:" 4 600 ;;
+             # what NVML lists in this machine's container beside the checks (concur.dag.nvml): other processes
+             t nvml python3 -c "import time, torch; torch.zeros(1, device='cuda'); time.sleep(60)
+from concur.dag.nvml import other_processes_on; print('other processes on GPU 0 (NVML):', other_processes_on(0))"
+             end_parallel checks32 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:\|NVML" 4 600 ;;
     trace31) begin_parallel trace31  # the fused checks beside a cold setup, then where the captures' seconds go
              [ -n "${TRACE31_ONLY:-}" ] || {  # TRACE31_ONLY=1: the traces alone (inductor's cache warm already)
              decision_checks
