@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ def _steps(step, x, y, n=3):
 def test_the_step_times_its_plans_once_trains_as_eager_and_a_second_setup_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CONCUR_MEASURE", raising=False)
+    # timing takes turns with any other process on the GPU (tests side by side), so the decision is reused below
+    monkeypatch.setenv("CONCUR_MEASURE_LOCK", os.environ.get("CONCUR_MEASURE_LOCK", str(tmp_path / "turns.lock")))
     torch._dynamo.reset()
     model, x, y = _googlenet(16)
     plain, again = copy.deepcopy(model), copy.deepcopy(model)

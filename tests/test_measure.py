@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -106,6 +107,8 @@ def test_optimize_times_its_plan_once_and_leaves_the_model_as_it_was(cache_dir, 
 
     # the prediction is made to let the plan through, so that the real timer decides
     monkeypatch.setattr(schedulers, "simulate_shared", lambda dag, s: 0.5 * sum(dag.nodes[v]["cost"] for v in dag))
+    # timing takes turns with any other process on the GPU (tests side by side), so the decision is reused below
+    monkeypatch.setenv(measure.ENVIRONMENT_LOCK, os.environ.get(measure.ENVIRONMENT_LOCK, str(cache_dir / "turns.lock")))
 
     torch.manual_seed(0)
     model = WideNet(branches=4, channels=32).cuda().train()
