@@ -352,8 +352,12 @@ for step in "$@"; do
     checks32) begin_parallel checks32  # the measured decisions' checks after their cache key changed
              decision_checks
              # what NVML lists in this machine's container beside the checks (concur.dag.nvml): other processes
-             t nvml python3 -c "import time, torch; torch.zeros(1, device='cuda'); time.sleep(60)
-from concur.dag.nvml import other_processes_on; print('other processes on GPU 0 (NVML):', other_processes_on(0))"
+             t nvml python3 -c "import os, time, torch, pynvml; torch.zeros(1, device='cuda')
+torch.compile(lambda x: (x * 2).relu())(torch.ones(8, device='cuda')); time.sleep(60)
+from concur.dag.nvml import other_processes_on; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0)
+print('NVML lists', sorted(p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)), 'this process', os.getpid(),
+      'children', open(f'/proc/{os.getpid()}/task/{os.getpid()}/children').read().split(),
+      'other processes on GPU 0 (NVML):', other_processes_on(0))"
              end_parallel checks32 " passed\| failed\|Error\|sanitized run finished\|deviation\|the step:\|NVML" 4 600 ;;
     trace31) begin_parallel trace31  # the fused checks beside a cold setup, then where the captures' seconds go
              [ -n "${TRACE31_ONLY:-}" ] || {  # TRACE31_ONLY=1: the traces alone (inductor's cache warm already)

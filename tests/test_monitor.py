@@ -199,18 +199,42 @@ class _FakeNvml:
 
 
 def test_other_processes_on_a_gpu_are_counted_from_nvml_or_unknown(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from concur.dag import nvml as nvml_module
     from concur.dag.nvml import other_processes_on
 
+    me = os.getpid()
+    # a made-up process tree: 9001 is this process's child (a compile worker), 9002 its grandchild, 7000 another
+    # user's job, 7001 that job's child
+    parents = {9001: me, 9002: 9001, 7000: 1, 7001: 7000}
+    monkeypatch.setattr(nvml_module, "_parent_of", lambda pid: parents.get(pid))
+    listed = lambda *pids: [SimpleNamespace(pid=p) for p in pids]  # noqa: E731
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    nvml = _FakeNvml(processes=["this one", "a neighbour", "another"])
-    assert other_processes_on(0, nvml) == 2 and nvml.open == 0  # counted, not matched by pid; NVML shut again
-    assert other_processes_on(0, _FakeNvml(processes=["this one"])) == 0
-    assert other_processes_on(0, _FakeNvml(processes=[])) is None  # NVML sees no process here, not even this one
+    nvml = _FakeNvml(processes=listed(me, 9001, 9002, 7000, 7001))
+    assert other_processes_on(0, nvml) == 2 and nvml.open == 0  # its own children are not others; NVML shut again
+    assert other_processes_on(0, _FakeNvml(processes=listed(me, 9001))) == 0
+    # this process not listed: NVML's pids are another namespace's (a container), or it sees none: unknown
+    assert other_processes_on(0, _FakeNvml(processes=listed(7000, 7001))) is None
+    assert other_processes_on(0, _FakeNvml(processes=[])) is None
     assert other_processes_on(0, _FakeNvml(fail="init")) is None
     assert other_processes_on(0, _FakeNvml(fail="processes")) is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    nvml = _FakeNvml(processes=["this one"])
+    nvml = _FakeNvml(processes=listed(me))
     other_processes_on(1, nvml)
     assert nvml.asked == [5]  # NVML ignores CUDA_VISIBLE_DEVICES
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f6c1e2a")
-    assert other_processes_on(0, _FakeNvml(processes=["this one", "a neighbour"])) is None
+    assert other_processes_on(0, _FakeNvml(processes=listed(me, 7000))) is None
+
+
+def test_a_process_parent_is_read_from_proc():
+    import os
+
+    from concur.dag.nvml import _descends_from, _parent_of
+
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        import pytest
+        pytest.skip("no /proc here")
+    assert _parent_of(os.getpid()) == os.getppid()
+    assert _descends_from(os.getpid(), os.getppid()) and not _descends_from(os.getppid(), os.getpid())

@@ -12,13 +12,15 @@ from typing import Any
 
 
 def other_processes_on(cuda_index: int, nvml: Any = None) -> int | None:
-    """Return how many processes besides this one run compute work on CUDA device ``cuda_index``, per NVML.
+    """Return how many processes besides this one and its children run compute work on CUDA device ``cuda_index``.
 
-    None where NVML cannot say: not installed, no driver, devices named by
-    UUID in ``CUDA_VISIBLE_DEVICES`` (which NVML device is not known here),
-    or no process listed at all (this one has work there when it asks, so
-    NVML cannot see processes here). Processes are counted, not matched by
-    pid: in a container NVML gives the host's pids. ``nvml`` is for tests.
+    Per NVML; this process's own children do not count (inductor's compile
+    workers may hold a CUDA context of their own). None where NVML cannot
+    say: not installed, no driver, devices named by UUID in
+    ``CUDA_VISIBLE_DEVICES`` (which NVML device is not known here), or this
+    process not among those NVML lists (its pids are another namespace's, as
+    in a container, or it sees no process at all): then whose the listed
+    processes are is not known. ``nvml`` is for tests.
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible and not all(part.strip().isdigit() for part in visible.split(",")):
@@ -31,12 +33,39 @@ def other_processes_on(cuda_index: int, nvml: Any = None) -> int | None:
         return None
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index(cuda_index))
-        processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        pids = {int(p.pid) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     except Exception:  # noqa: BLE001 - MIG, permissions, an old driver: unknown
         return None
     finally:
         nvml.nvmlShutdown()
-    return len(processes) - 1 if processes else None
+    me = os.getpid()
+    if me not in pids:
+        return None
+    return sum(1 for pid in pids if not _descends_from(pid, me))
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or below it; one that cannot be read (it ended) counts as below it."""
+    seen = set()
+    while pid not in seen and pid > 1:
+        if pid == ancestor:
+            return True
+        seen.add(pid)
+        parent = _parent_of(pid)
+        if parent is None:
+            return True  # gone, or not readable here: not counted as another process's work
+        pid = parent
+    return False
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` from ``/proc`` (Linux), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm)": state, then the parent's pid
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def nvml_index(cuda_index: int = 0) -> int:
