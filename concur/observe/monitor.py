@@ -28,8 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from concur.dag.nvml import nvml_index  # noqa: F401 - the monitor's callers read it here
-
 _warned: set[str] = set()
 
 

@@ -305,7 +305,7 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
 
     from concur.dag.annotate import tensors_in
     from concur.fx.plan import device_name
-    from concur.observe.monitor import nvml_index
+    from concur.dag.nvml import nvml_index
 
     inputs, targets = example_batch
     device = device_name(model, inputs if isinstance(inputs, tuple) else (inputs,))

@@ -77,7 +77,8 @@ def _under_nvml(row: dict, cfg: dict, fn: Callable[[], None], seconds: float,
     """Run ``first``, then step ``fn`` until ``seconds`` have passed, under NVML; record the utilization."""
     import torch
 
-    from concur.observe.monitor import Monitor, nvml_index
+    from concur.dag.nvml import nvml_index
+    from concur.observe.monitor import Monitor
 
     monitor = Monitor(nvml_index()).start()
     monitor.mark("timed steps")
