@@ -246,9 +246,10 @@ def settled(rounds: Sequence[tuple[float, ...]], margin: float = MARGIN) -> bool
         return False
     near = set()
     for r in rounds:
-        if near_fastest(r[1:], margin) != near_fastest(r[1:], 2 * margin):
+        within = near_fastest(r[1:], margin)
+        if within != near_fastest(r[1:], 2 * margin):
             return False  # a candidate in the band between: which side it falls on is the median's call
-        near.add(near_fastest(r[1:], margin))
+        near.add(within)
     return len(near) == 1
 
 

@@ -22,8 +22,8 @@ def other_processes_on(cuda_index: int, nvml: Any = None) -> int | None:
     in a container, or it sees no process at all): then whose the listed
     processes are is not known. ``nvml`` is for tests.
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible and not all(part.strip().isdigit() for part in visible.split(",")):
+    index = _listed_index(cuda_index)
+    if index is None:
         return None
     try:
         if nvml is None:
@@ -32,7 +32,7 @@ def other_processes_on(cuda_index: int, nvml: Any = None) -> int | None:
     except Exception:  # noqa: BLE001 - no library or no driver: unknown
         return None
     try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index(cuda_index))
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
         pids = {int(p.pid) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     except Exception:  # noqa: BLE001 - MIG, permissions, an old driver: unknown
         return None
@@ -69,9 +69,18 @@ def _parent_of(pid: int) -> int | None:
 
 
 def nvml_index(cuda_index: int = 0) -> int:
-    """Return the NVML index of CUDA device ``cuda_index`` (NVML ignores CUDA_VISIBLE_DEVICES)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    try:
-        return int(visible[cuda_index])
-    except (ValueError, IndexError):
+    """Return the NVML index of CUDA device ``cuda_index`` (NVML ignores CUDA_VISIBLE_DEVICES), else ``cuda_index``."""
+    index = _listed_index(cuda_index)
+    return cuda_index if index is None else index
+
+
+def _listed_index(cuda_index: int) -> int | None:
+    """The NVML index of CUDA device ``cuda_index``: itself where ``CUDA_VISIBLE_DEVICES`` is unset, the number it
+    lists there, or None where that entry is not a number (a UUID, a MIG slice): which NVML device is not known."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
         return cuda_index
+    try:
+        return int(visible.split(",")[cuda_index])
+    except (ValueError, IndexError):
+        return None

@@ -26,8 +26,7 @@ import torch
 import torch.nn as nn
 
 from concur import _torch_compat as compat
-from concur.dag.annotate import tensors_in
-from concur.fx.decision import PendingChoice
+from concur.fx.decision import PendingChoice, cuda_device
 from concur.training import captured_optim
 from concur.training.gradients import optimized_parameters
 from concur.training.graph_runner import Captured
@@ -131,7 +130,7 @@ def capture_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: i
     captured = capture_programs(step, inputs, targets, streams, phase, programs,
                                 [step.warmup] + [1] * (len(programs) - 1))
     module.run_plan(programs[choice.program_of_default()])
-    return StepTrial(key, captured, device=next((t.device for t in tensors_in(inputs) if t.is_cuda), None))
+    return StepTrial(key, captured, device=cuda_device(module, inputs))
 
 
 def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any,
