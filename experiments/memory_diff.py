@@ -7,7 +7,9 @@ its capture) and three calls, then prints, grouped by the Python line that
 allocated them (the innermost frame in concur, experiments or the model):
 the tensors live at the setup's peak of allocated memory, and those live
 once set up. Run it once per side (``--who recipe`` and ``--who concur``):
-allocator statistics are per process.
+allocator statistics are per process. Concur's side times its decisions with
+an empty decision cache of its own, as a first run does, unless
+``$CONCUR_CACHE_DIR`` names one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import collections
 import json
 import os
+import tempfile
 from typing import Iterator
 
 import torch
@@ -115,6 +118,10 @@ def main() -> None:
     ap.add_argument("--no-step-decision", action="store_true",
                     help="leave out train_step's decision over the whole step (concur.training.step_streams)")
     args = ap.parse_args()
+    if args.who == "concur" and not os.environ.get("CONCUR_CACHE_DIR"):
+        # a first run's setup: its decisions timed, not read back from what an earlier process (a GPU test beside
+        # this one, a run before) stored in the shared cache
+        os.environ["CONCUR_CACHE_DIR"] = tempfile.mkdtemp(prefix="concur_decisions_")
     if args.no_step_decision:
         import concur.training.step as step_module
         step_module.decide_step_streams = lambda *a, **k: None

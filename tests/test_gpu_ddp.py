@@ -105,7 +105,7 @@ def train_graphed(rank: int, use_concur: bool, steps: int = 14, warmup: int = 11
     module = model
     if use_concur:
         module = concur.optimize(model, (batch(0, rank, f"cuda:{rank}")[0],), streams=4,
-                                 leaf_modules=[SleepyBackward])
+                                 leaf_modules=[SleepyBackward], measure=False)  # as train() in tests/test_ddp.py
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     losses = []
