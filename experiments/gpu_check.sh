@@ -13,8 +13,8 @@
 #   final          in parallel processes: the train_step habits (tests/test_gpu_train_habits.py), tests/test_gpu.py,
 #                  the tuner and DDP tests, the fused sanitizer runs (5 models, reuse on and off) and
 #                  examples/train.py with graphs (2 epochs, then resumed for the third); one line each in
-#                  $OUT/final.txt, logs packed in $OUT/final_logs.tgz. The DDP test needs two GPUs and skips on
-#                  one (SKIP in final.txt): run the step on nvidia-h100-x2
+#                  $OUT/final.txt, logs packed in $OUT/final_logs.tgz. The DDP tests need two GPUs and skip on
+#                  one ("2 skipped" on the tuner_ddp line): run the step on nvidia-h100-x2
 #   check22        in parallel processes: the fused envelope (5 models) and sanitizer (3 models) with the
 #                  backend's defaults (gate, weight-gradient split, no reuse), and the train_step habits of the
 #                  branchy net incl. stream_priority; one line each in $OUT/check22.txt, logs in $OUT/check22_logs.tgz
