@@ -3,7 +3,7 @@
 # experiments/peers.py (the sweep's peer_* modes), each set timed in turns in one child, with the memory
 # peaks (setup and steady, allocated and reserved) beside the times. As bench22.sh: several sweeps side by
 # side over one run directory, compiling in parallel and taking turns to time (one GPU lock).
-#   bash experiments/bench28.sh RUN_DIR PART    (PART: a to i, below; each within ~9 minutes on one H100)
+#   bash experiments/bench28.sh RUN_DIR PART    (PART: a to j, below; each within ~9 minutes on one H100)
 # Packs RUN_DIR to $OUT/bench.tgz. RUN_DIR/summary.md holds the table against the peer.
 #   a  bf16  googlenet inception_v3 resnet50, b8 b64: peer_compile_graph, compile_graph, fused:4
 #   b  bf16  the same points unfused: peer_eager_graph, serial_graph, concur_graph:4
@@ -16,6 +16,7 @@
 #   g  bf16  part d's networks at b64 (issue 28 asks for them at b8 and b64), Inception-v4 as in part d
 #   h  fp32  the three CNNs at b32 (part c has b8 and b64): part a's modes
 #   i  fp32  the three CNNs at b128, on their own as part f
+#   j  bf16  timm hrnet_w18_small and dla34 at b8 unfused (issue 28's unfused HRNet b8 target): part b's modes
 # Every --together set names the peer first: it compiles cold, as a user's first run would; the concur
 # modes after it reuse its caches (their rows say so), so the summary gives no setup ratio for them.
 set -uo pipefail
@@ -54,7 +55,9 @@ case $part in
            --together $fused_set --compile-jobs 3 ;;
   i) sweep --models inception_v3 googlenet resnet50 --batches 128 --precisions fp32 --modes $fused_modes \
            --together $fused_set --compile-jobs 3 ;;
-  *) echo "unknown part '$part': a to i" >&2; exit 2 ;;
+  j) sweep --models timm:hrnet_w18_small timm:dla34 --batches 8 --modes $unfused_modes --together $unfused_set \
+           --compile-jobs 2 ;;
+  *) echo "unknown part '$part': a to j" >&2; exit 2 ;;
 esac
 wait
 for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
