@@ -3,7 +3,8 @@
 # experiments/peers.py (the sweep's peer_* modes), each set timed in turns in one child, with the memory
 # peaks (setup and steady, allocated and reserved) beside the times. As bench22.sh: several sweeps side by
 # side over one run directory, compiling in parallel and taking turns to time (one GPU lock).
-#   bash experiments/bench28.sh RUN_DIR PART    (PART: a to j, below; each within ~9 minutes on one H100)
+#   bash experiments/bench28.sh RUN_DIR PART [PART ...]   (PART: a to j, below; each within ~9 minutes on one H100)
+# Several parts run side by side, their sweeps taking turns to time under the one lock (g and h together: 400 s).
 # Packs RUN_DIR to $OUT/bench.tgz. RUN_DIR/summary.md holds the table against the peer.
 #   a  bf16  googlenet inception_v3 resnet50, b8 b64: peer_compile_graph, compile_graph, fused:4
 #   b  bf16  the same points unfused: peer_eager_graph, serial_graph, concur_graph:4
@@ -20,7 +21,11 @@
 # Every --together set names the peer first: it compiles cold, as a user's first run would; the concur
 # modes after it reuse its caches (their rows say so), so the summary gives no setup ratio for them.
 set -uo pipefail
-dir=$1; part=$2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
+dir=$1; shift; parts=("$@"); OUT=${OUT:-/tmp/concur_out}
+for part in "${parts[@]}" ""; do  # every part known before any starts; at least one
+  [[ $part =~ ^[a-j]$ ]] || [[ -z $part && ${#parts[@]} -gt 0 ]] || { echo "unknown part '$part': a to j" >&2; exit 2; }
+done
+mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 left=$(( ${DEADLINE:-570} - SECONDS - 30 ))
 fused_modes="peer_compile_graph compile_graph fused:4"; fused_set=peer_compile_graph+compile_graph+fused:4
@@ -31,6 +36,7 @@ sweep() { timeout -k 5 $left python3 -m experiments.sweep --out "$dir" --resume 
             --rounds 10 "$@" >> "$OUT/bench_$part.log" 2>&1 &
           groups+=($!); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+for part in "${parts[@]}"; do  # sweep() logs to the part's own file
 case $part in
   a) sweep --models inception_v3 googlenet resnet50 --batches 8 64 --modes $fused_modes --together $fused_set \
            --compile-jobs 6 ;;
@@ -59,8 +65,9 @@ case $part in
            --compile-jobs 2 ;;
   *) echo "unknown part '$part': a to j" >&2; exit 2 ;;
 esac
+done
 wait
 for g in "${groups[@]}"; do kill -- -"$g" 2>/dev/null; done  # a child left behind by a sweep that was cut off
-python3 -m experiments.sweep --out "$dir" --report-only >> "$OUT/bench_$part.log" 2>&1  # all parts' rows
-grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40
+python3 -m experiments.sweep --out "$dir" --report-only >> "$OUT/bench_report.log" 2>&1  # all parts' rows
+for part in "${parts[@]}"; do grep -h ": ok\|error\|failed" "$OUT/bench_$part.log" | tail -40; done
 tar czf "$OUT/bench.tgz" --exclude=traces --exclude=util "$dir"
