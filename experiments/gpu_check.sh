@@ -381,10 +381,10 @@ print('NVML lists', sorted(p.pid for p in pynvml.nvmlDeviceGetComputeRunningProc
             DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) SETUP29_PAIRS=${COST31_PAIRS:-3} \
               SETUP29_SPECS="googlenet 32 4 --compile" bash "$0" setup29 ;;
     mem32) begin_parallel mem32  # how much of setup's memory over the recipe's is the measured decisions'
-             memory_diffs $OUT/mem32.jsonl "recipe concur" "googlenet 8 --compile" "googlenet 64 --compile" \
-               "inception_v3 32 --compile" "resnet50 8 --compile" "googlenet 8"
-             for spec in "googlenet 8 --compile" "googlenet 64 --compile" "inception_v3 32 --compile" \
-                         "resnet50 8 --compile" "googlenet 8"; do
+             specs=("googlenet 8 --compile" "googlenet 64 --compile" "inception_v3 32 --compile" "resnet50 8 --compile"
+                    "googlenet 8")
+             memory_diffs $OUT/mem32.jsonl "recipe concur" "${specs[@]}"
+             for spec in "${specs[@]}"; do
                read -r m b c <<< "$spec"
                t "mem_${m}_b${b}${c:+_c}_concur_timing_off" env CONCUR_MEASURE=0 python3 experiments/memory_diff.py \
                  --model $m --batch $b $c --who concur --streams 4 --json $OUT/mem32.jsonl
