@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from concur.dag.annotate import tensors_in
+from concur.dag.annotate import cuda_device_in, tensors_in
 
 
 # Side streams per device, shared by every plan: the caching allocator keeps a freed block for the stream it
@@ -92,7 +92,7 @@ class StreamRuntime:
 
     def fork(self, *inputs: Any) -> None:
         """Start a call: make every side stream wait for the work already queued by the caller."""
-        device = next((t.device for t in tensors_in(inputs) if t.is_cuda), None)
+        device = cuda_device_in(inputs)
         self.active = device is not None and self.num_streams > 1
         if not self.active:
             return

@@ -59,6 +59,7 @@ def fake_cuda(monkeypatch):
     rt._events = [FakeEvent(f"e{i}", log) for i in range(2)]
     rt._join_events = [FakeEvent(f"j{i}", log) for i in range(3)]
     monkeypatch.setattr(runtime_module, "tensors_in", lambda value: [FakeTensor(log)])
+    monkeypatch.setattr(runtime_module, "cuda_device_in", lambda *values: FakeTensor.device)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
     return rt, log, current

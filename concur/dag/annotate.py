@@ -108,6 +108,11 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return found
 
 
+def cuda_device_in(*values: Any) -> torch.device | None:
+    """Return the device of the first CUDA tensor inside the (nested) values, or None when none is on CUDA."""
+    return next((t.device for t in tensors_in(values) if t.is_cuda), None)
+
+
 def _target_name(node: fx.Node) -> str:
     if node.op == "call_method":
         return str(node.target)

@@ -15,7 +15,7 @@ import schedulers
 from schedulers import Schedule
 
 from concur.dag import decide
-from concur.dag.annotate import OpFailed, annotate, preserved_state, tensors_in
+from concur.dag.annotate import OpFailed, annotate, cuda_device_in, preserved_state, tensors_in
 from concur.dag.cost import AnalyticCost, CostModel, assign_costs, roofline_for
 from concur.dag.hazards import build_dag, is_free_source
 from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
@@ -53,8 +53,7 @@ class Plan:
 
 def device_name(model: torch.nn.Module, example_inputs: tuple) -> str:
     """Return the name of the device the model runs on ('cpu' or the CUDA device's name)."""
-    tensors = tensors_in(example_inputs) + list(itertools.islice(model.parameters(), 1))
-    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    cuda = cuda_device_in(example_inputs, list(itertools.islice(model.parameters(), 1)))
     return torch.cuda.get_device_name(cuda) if cuda is not None else "cpu"
 
 

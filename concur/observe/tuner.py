@@ -303,7 +303,7 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     """
     import torch
 
-    from concur.dag.annotate import tensors_in
+    from concur.dag.annotate import cuda_device_in
     from concur.fx.plan import device_name
     from concur.dag.nvml import nvml_index
 
@@ -367,7 +367,7 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
     try:
         eager_util, eager, notes = None, None, ()
         if probe_utilization and on_cuda:
-            cuda = next((t.device for t in tensors_in(example_batch) if t.is_cuda), torch.device("cuda"))
+            cuda = cuda_device_in(example_batch) or torch.device("cuda")
             try:
                 eager_util, eager = _probe_eager(build, timer, sync, inputs, targets, min(1.5, 0.1 * budget_s),
                                                  schedulers[0], nvml_index(cuda.index or 0))

@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from concur import _torch_compat as compat
 from concur.dag import decide
-from concur.dag.annotate import tensors_in
+from concur.dag.annotate import cuda_device_in, tensors_in
 from concur.fx import module as api
 from concur.inductor.backend import ConcurBackend, backend
 from concur.training import captured_optim
@@ -202,7 +202,7 @@ class TrainStep:
         """
         if self._runner is None or self.accumulate != 1 or several_ranks():
             return False
-        device = next((t.device for t in tensors_in(self._example) if t.is_cuda), torch.device("cpu"))
+        device = cuda_device_in(self._example) or torch.device("cpu")
         return self._runner.can_time(device)
 
     def setup_stream(self) -> contextlib.AbstractContextManager:
@@ -325,7 +325,7 @@ class TrainStep:
         backend = self.backends.get(streams)
         if backend is None:
             return
-        device = next((t.device for t in tensors_in(inputs) if t.is_cuda), torch.device("cpu"))
+        device = cuda_device_in(inputs) or torch.device("cpu")
         loss_name = getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__qualname__)
         key_parts = (loss_name, str(self.amp_dtype), self.accumulate, self.stream_priority, decide.MARGIN)
         decision = decide_step_streams(backend, forward_backward, self._runner, device, type(self.model).__name__,
