@@ -263,3 +263,41 @@ def test_tune_train_step_trains_copies_and_leaves_model_optimizer_and_rng_alone(
     assert torch.equal(rng, torch.get_rng_state())
     cached = tuner.tune_train_step(model, loss_fn, opt, (x, y), **kw)
     assert cached.from_cache and cached.config == Config(2) and len(calls) == 4
+
+
+class _BusyMonitor:
+    """Monitor stand-in whose record reads what NVML reads on a shared GPU: the whole device busy."""
+
+    def __init__(self, index):
+        self.record = self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def mark(self, label):
+        pass
+
+    def mean_utilization(self, start_s=0.0):
+        return 98.5
+
+
+@pytest.mark.parametrize("others", [0, 2, None])
+def test_eager_probe_drops_utilization_read_beside_other_processes(monkeypatch, others):
+    """NVML's utilization is the device's: beside other processes it says nothing of this loop (a GPU shared by
+    tests read 98.5% for GoogLeNet b8's launch-bound eager loop), so the lever must be unknown, not 'streams'."""
+    import concur.dag.nvml as nvml
+    import concur.observe.monitor as monitor
+
+    monkeypatch.setattr(monitor, "Monitor", _BusyMonitor)
+    monkeypatch.setattr(nvml, "other_processes_on", lambda index: others)
+    build = lambda config: ((lambda x, y: None), ["kept"])  # noqa: E731
+    util, eager, notes = tuner._probe_eager(build, lambda fn, w, r: (5.0, 0.1), lambda: None, None, None, 0.0,
+                                            "critical_path", 0)
+    assert eager.median_ms == 5.0 and eager.notes == ("kept",)
+    if others:
+        assert util is None and tuner.lever_for(util) == "unknown" and "2 other processes" in notes[0]
+    else:  # alone, or NVML cannot say whose the work is: the reading stands, as before
+        assert util == 98.5 and notes == ()

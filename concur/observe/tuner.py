@@ -305,7 +305,6 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
 
     from concur.dag.annotate import cuda_device_in
     from concur.fx.plan import device_name
-    from concur.dag.nvml import nvml_index
 
     inputs, targets = example_batch
     device = device_name(model, inputs if isinstance(inputs, tuple) else (inputs,))
@@ -369,8 +368,8 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
         if probe_utilization and on_cuda:
             cuda = cuda_device_in(example_batch) or torch.device("cuda")
             try:
-                eager_util, eager = _probe_eager(build, timer, sync, inputs, targets, min(1.5, 0.1 * budget_s),
-                                                 schedulers[0], nvml_index(cuda.index or 0))
+                eager_util, eager, notes = _probe_eager(build, timer, sync, inputs, targets,
+                                                        min(1.5, 0.1 * budget_s), schedulers[0], cuda.index or 0)
             except Exception as exc:  # without the probe the lever is unknown; the search still runs
                 notes = (f"eager utilization probe failed: {type(exc).__name__}: {str(exc)[:200]}",)
             gc.collect()
@@ -387,13 +386,19 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
 
 
 def _probe_eager(build: Callable, timer: Timer, sync: Callable, inputs: Any, targets: Any, seconds: float,
-                 scheduler: str, device: int) -> tuple[float | None, Measurement | None]:
-    """Run the eager serial step for ``seconds`` under the NVML monitor; return (utilization %, time)."""
+                 scheduler: str, cuda_index: int) -> tuple[float | None, Measurement | None, tuple[str, ...]]:
+    """Run the eager serial step for ``seconds`` under the NVML monitor; return (utilization %, time, notes).
+
+    NVML's utilization is the whole device's: where other processes had work
+    on the GPU during the probe, it says nothing of this loop, so it is
+    dropped (the lever is then unknown) and a note says why.
+    """
+    from concur.dag.nvml import nvml_index, other_processes_on
     from concur.observe.monitor import Monitor
 
     step, notes = build(Config(1, scheduler, cuda_graph=False))
     fn = lambda: step(inputs, targets)  # noqa: E731
-    with Monitor(device) as mon:
+    with Monitor(nvml_index(cuda_index)) as mon:
         mon.mark("eager")
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -403,4 +408,9 @@ def _probe_eager(build: Callable, timer: Timer, sync: Callable, inputs: Any, tar
     # The driver's first sample also covers time before the loop started: skip it when there are others.
     util = mon.record.mean_utilization(start_s=0.25)
     util = util if util is not None else mon.record.mean_utilization()
-    return util, Measurement(median, iqr, 10, tuple(notes))
+    others = other_processes_on(cuda_index)
+    if others and util is not None:
+        return None, Measurement(median, iqr, 10, tuple(notes)), (
+            f"eager utilization not used: {others} other process{'es' if others > 1 else ''} had work on GPU "
+            f"{cuda_index} (NVML's utilization is the whole device's), so the lever is unknown",)
+    return util, Measurement(median, iqr, 10, tuple(notes)), ()
