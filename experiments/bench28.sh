@@ -4,7 +4,9 @@
 # peaks (setup and steady, allocated and reserved) beside the times. As bench22.sh: several sweeps side by
 # side over one run directory, compiling in parallel and taking turns to time (one GPU lock).
 #   bash experiments/bench28.sh RUN_DIR PART [PART ...]   (PART: a to j, below; each within ~9 minutes on one H100)
-# Several parts run side by side, their sweeps taking turns to time under the one lock (g and h together: 400 s).
+# Several parts run side by side, their sweeps taking turns to time under the one lock (g and h together: 400 s;
+# d and e 520 s; a alone 280 s, c alone 340 s; i and j ran out of time before i's ResNet-50). Refused together,
+# for memory: a with c, e with f, f with i.
 # Packs RUN_DIR to $OUT/bench.tgz. RUN_DIR/summary.md holds the table against the peer.
 #   a  bf16  googlenet inception_v3 resnet50, b8 b64: peer_compile_graph, compile_graph, fused:4
 #   b  bf16  the same points unfused: peer_eager_graph, serial_graph, concur_graph:4
@@ -25,6 +27,13 @@ dir=$1; shift; parts=("$@"); OUT=${OUT:-/tmp/concur_out}
 [ ${#parts[@]} -gt 0 ] || { echo "name a part: a to j" >&2; exit 2; }
 for part in "${parts[@]}"; do  # every part known before any starts: the case below has one branch each
   [[ $part =~ ^[a-j]$ ]] || { echo "unknown part '$part': a to j" >&2; exit 2; }
+done
+# Pairs whose sweeps do not fit in one H100's 80 GB side by side: a and c ran out of memory in 12 of 36 rows
+# (twelve compile workers, each child holding its models); e and f, f and i hold b128 or ViT activations.
+for pair in "a c" "e f" "f i"; do
+  read -r x y <<< "$pair"
+  [[ " ${parts[*]} " == *" $x "* && " ${parts[*]} " == *" $y "* ]] && {
+    echo "parts $x and $y do not fit in one GPU's memory side by side: run them in separate calls" >&2; exit 2; }
 done
 mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8

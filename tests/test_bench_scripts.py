@@ -56,6 +56,13 @@ def test_bench28_refuses_a_bad_part_before_starting_any(tmp_path, args):
     assert rc == 2 and calls == [] and "a to j" in err
 
 
+@pytest.mark.parametrize("args", [("a", "j", "c"), ("f", "e"), ("i", "f")])
+def test_bench28_refuses_parts_that_do_not_fit_side_by_side(tmp_path, args):
+    """a and c side by side ran out of GPU memory in 12 of their 36 rows on an H100 (2026-11-27)."""
+    rc, calls, err = run_script(tmp_path, "bench28.sh", *args)
+    assert rc == 2 and calls == [] and "do not fit" in err
+
+
 def test_bench29_times_named_networks_alone(tmp_path):
     rc, calls, _ = run_script(tmp_path, "bench29.sh", "alone", "timm:mixnet_s", "timm:dla34")
     assert rc == 0
