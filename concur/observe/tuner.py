@@ -405,7 +405,7 @@ def _probe_eager(build: Callable, timer: Timer, sync: Callable, inputs: Any, tar
             fn()
         sync()
     median, iqr = timer(fn, 2, 10)
-    # The driver's first sample also covers time before the loop started: skip it when there are others.
+    # The driver's first sample also covers time before the loop started: skip it where later ones exist.
     util = mon.record.mean_utilization(start_s=0.25)
     util = util if util is not None else mon.record.mean_utilization()
     others = other_processes_on(cuda_index)
