@@ -24,15 +24,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from concur.dag import decide
-from concur.dag.annotate import cuda_device_in, preserved_state, tensors_in
+from concur.dag.annotate import preserved_state, tensors_in
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import environment, replay_rounds
 from concur.fx.plan import Plan
-
-
-def cuda_device(model: nn.Module, inputs: tuple) -> torch.device | None:
-    """Return the CUDA device the inputs or the model are on, or None."""
-    return cuda_device_in(inputs, list(model.parameters())[:1])
 
 
 def run_plan(module: nn.Module, plan: Plan, inputs: tuple) -> None:

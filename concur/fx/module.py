@@ -21,8 +21,8 @@ from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
-from concur.fx.decision import PendingChoice, cuda_device, decision_key, plan_timer
-from concur.fx.plan import Plan, analyse, device_name, generate_plan, split_prologue
+from concur.fx.decision import PendingChoice, decision_key, plan_timer
+from concur.fx.plan import Plan, analyse, cuda_device, device_name, generate_plan, split_prologue
 
 FALLBACKS = ("error", "eager")
 # measure=DEFERRED: where a new decision is to be timed, the caller times it (train_step's first steps), see

@@ -51,9 +51,14 @@ class Plan:
         return self.generated.code
 
 
+def cuda_device(model: torch.nn.Module, inputs: tuple) -> torch.device | None:
+    """Return the CUDA device the inputs or the model (its first parameter) are on, or None."""
+    return cuda_device_in(inputs, list(itertools.islice(model.parameters(), 1)))
+
+
 def device_name(model: torch.nn.Module, example_inputs: tuple) -> str:
     """Return the name of the device the model runs on ('cpu' or the CUDA device's name)."""
-    cuda = cuda_device_in(example_inputs, list(itertools.islice(model.parameters(), 1)))
+    cuda = cuda_device(model, example_inputs)
     return torch.cuda.get_device_name(cuda) if cuda is not None else "cpu"
 
 

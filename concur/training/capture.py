@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from concur import _torch_compat as compat
-from concur.fx.decision import PendingChoice, cuda_device
+from concur.fx.decision import PendingChoice
+from concur.fx.plan import cuda_device
 from concur.training import captured_optim
 from concur.training.gradients import optimized_parameters
 from concur.training.graph_runner import Captured
