@@ -203,6 +203,28 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
         setter(f"{_RECORD_STREAM_REUSE}:False")
 
 
+def end_pool_recording(device: int, pool: object) -> bool:
+    """End the caching allocator's recording into ``pool`` where a failed capture left it on; return whether it was.
+
+    ``CUDAGraph.capture_end`` ends the recording only after the stream's
+    capture ends cleanly: a capture the driver invalidated (a graph freed
+    while another was capturing) raises first, and every later capture into
+    the same pool then fails with "beginAllocateToPool: already recording to
+    mempool_id". Where this torch has no such call, or the pool is not being
+    recorded into, nothing changes (False): the caller captures into a new
+    pool either way.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None or pool is None:
+        return False
+    try:
+        end(device, pool)
+    except (RuntimeError, TypeError):  # not recording into it (the usual case), or another signature
+        return False
+    return True
+
+
+
 def _is_generated_call(fn: object) -> bool:
     raw = getattr(fn, "__func__", fn)
     return getattr(raw, "__name__", "") == "call" and "reinterpret_tensor" in getattr(raw, "__globals__", {})

@@ -20,6 +20,7 @@ fx path); the random number generators are put back as they were
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import warnings
@@ -167,8 +168,7 @@ def _timed_rounds(programs: Sequence[Callable[[], Any]], rounds: int, replays: i
     graphs = []
     for program in programs:
         graphs.append(torch.cuda.CUDAGraph())
-        with compat.capture_reuses_cross_stream_blocks(), \
-                torch.cuda.graph(graphs[-1], pool=pool, stream=capture_stream):
+        with capturing(graphs[-1], pool, capture_stream):
             program()
     torch.cuda.current_stream().wait_stream(capture_stream)
     n = len(graphs)
@@ -202,6 +202,33 @@ def _replays_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / replays
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
+    """Capture the block into ``graph`` (in ``pool``, on ``stream``), as every capture of concur's does.
+
+    The cyclic garbage collector is held off during the capture and run just
+    before: it frees objects at moments of its own choosing, and freeing a
+    CUDA graph (one in a reference cycle) while a stream captures is an
+    illegal call that invalidates the capture ("operation not permitted when
+    stream is capturing"). Where the capture fails anyway, the allocator's
+    recording into ``pool`` is ended (:func:`concur._torch_compat.end_pool_recording`);
+    the caller captures later graphs into another pool.
+    """
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with compat.capture_reuses_cross_stream_blocks(), torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+    except BaseException:
+        device = getattr(stream, "device", None)
+        compat.end_pool_recording(torch.cuda.current_device() if device is None else device.index, pool)
+        raise
+    finally:
+        if collecting:
+            gc.enable()
 
 
 # the capture stream of the innermost captures_into block, for replay_rounds

@@ -10,9 +10,11 @@ the RNG state are saved and put back, not a copy of the model: the first
 replay is exactly the user's first step. Otherwise warm-up runs whole steps
 (optimizers make their state lazily) and the snapshot holds everything.
 
-A capture that fails (out of memory, an op that cannot be captured) falls
-back to one stream, for this and later input shapes, and then to eager
-execution, with one warning each; the module that failed is freed. The step
+A capture that fails for another reason than memory is tried once more in
+a new pool; one that runs out of memory, or fails again, falls back to one
+stream, for this and later input shapes, and then to eager execution, with
+one warning each; what the failed attempt held (its module, graphs, pool and
+cached blocks) is given back first (:func:`capture_with_fallback`). The step
 keeps at most ``max_graphs`` graphs per position of the accumulation cycle
 and evicts the least recently used.
 """
@@ -31,6 +33,7 @@ from concur.fx.plan import cuda_device
 from concur.training import captured_optim
 from concur.training.gradients import optimized_parameters
 from concur.training.graph_runner import Captured
+from concur.training.out_of_memory import is_out_of_memory, shortfall
 from concur.training.snapshot import Snapshot
 from concur.training.trial import StepTrial
 
@@ -42,40 +45,71 @@ def graph_limit(step: Any) -> int:
     return step.max_graphs * min(step.accumulate, 3)  # first, middle and last position of a cycle
 
 
+CAPTURE_TRIES = 2  # captures of one stream count, where the first fails for another reason than memory
+
+
 def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
                           phase: tuple[bool, bool]) -> Captured | None:
     """Return the graph of ``step`` for ``key``, kept in its graphs; None where every stream count failed, and
-    the key runs eagerly from now on."""
+    the key runs eagerly from now on.
+
+    A capture that fails for another reason than memory (a graph freed by
+    another thread mid-capture, say) is tried once more, in a new pool, after
+    what it held is given back. One that runs out of memory is not: the step
+    drops to one stream at once, for this and later input shapes, with one
+    warning that says how much memory was missing. Eager execution is the
+    last resort, with a warning that says why and how to capture again.
+    """
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
+    log = step.capture_log
     attempts = [s for s in dict.fromkeys([step.requested_streams, 1]) if s not in step.failed_streams]
+    why = ""
     for streams in attempts:
-        try:
-            captured = capture_or_start_trial(step, inputs, targets, key, streams, phase)
-        except Exception as exc:  # OOM or an op that cannot be captured
-            step._warn_once(f"concur.train_step: capturing the step with {streams} stream(s) failed "
-                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
-                            + ("falling back to 1 stream, for this and later input shapes." if streams != 1
-                               else "falling back to eager execution."))
-            failed = True
-        else:
-            failed = False
-        if failed:  # outside the except block: its traceback no longer holds the failed capture's tensors
-            if streams != 1:  # free the module (and the compiled code) that cannot be captured
-                step.failed_streams.add(streams)
-                step.modules.pop(streams, None)
-                step.backends.pop(streams, None)
+        for attempt in range(1, CAPTURE_TRIES + 1):
+            try:
+                captured = capture_or_start_trial(step, inputs, targets, key, streams, phase)
+            except Exception as exc:  # noqa: BLE001 - out of memory, or an op or moment a graph cannot capture
+                memory = is_out_of_memory(exc)
+                why = shortfall(exc) if memory else \
+                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                captured = None
+            # outside the except block: its traceback no longer holds the failed attempt's tensors
+            if captured is not None:
+                log.recovered += attempt > 1
+                _keep(step, key, captured)
+                return captured
+            log.failures += 1
+            step._trial = None
             step._runner.failed()
-            continue
-        if len(step.graphs) >= graph_limit(step):
-            step.graphs.popitem(last=False)
-            step._warn_once(f"concur.train_step: more than {graph_limit(step)} captured graphs (input "
-                            "shapes, cycle positions, train/eval or frozen states); evicting the least "
-                            "recently used.")
-        step.graphs[key] = captured
-        step.warmed_keys.add(key)
-        return captured
+            if memory:
+                break
+        if streams != 1:  # free the module (and the compiled code) that did not fit or cannot be captured
+            step.failed_streams.add(streams)
+            step.modules.pop(streams, None)
+            step.backends.pop(streams, None)
+            step._runner.failed()
+            fallback = (f"the step on {streams} streams does not fit in memory ({why})" if memory else
+                        f"capturing the step on {streams} streams failed {attempt} times ({why})")
+            log.fallbacks.append(fallback)
+            step._warn_once(f"concur.train_step: {fallback}; running it on 1 stream instead, for this and later "
+                            "input shapes.")
+    log.fallbacks.append(f"capturing the step on 1 stream failed ({why})")
+    step._warn_once(f"concur.train_step: capturing the step on 1 stream failed ({why}); this input shape runs "
+                    "eagerly, every kernel launched from Python (slower). Once the cause is gone (memory freed, "
+                    "a smaller batch), step.recapture() captures again at the next call.")
     step.eager_keys.add(key)
     return None
+
+
+def _keep(step: Any, key: tuple, captured: Captured) -> None:
+    """Keep ``captured`` as ``key``'s graph, evicting the least recently used beyond :func:`graph_limit`."""
+    if len(step.graphs) >= graph_limit(step):
+        step.graphs.popitem(last=False)
+        step._warn_once(f"concur.train_step: more than {graph_limit(step)} captured graphs (input "
+                        "shapes, cycle positions, train/eval or frozen states); evicting the least "
+                        "recently used.")
+    step.graphs[key] = captured
+    step.warmed_keys.add(key)
 
 
 def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: int | str,
@@ -84,20 +118,25 @@ def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, s
     their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
 
     Every program at once needs more memory than one: where capturing them
-    fails, the prediction decides (not cached), and the predicted program
-    alone is captured, as where a timing before the step fails.
+    runs out of memory, the step runs one stream (the programs beside each
+    other did not fit, and the one-stream program needs the least); where
+    it fails otherwise, the prediction decides (not cached) and the
+    predicted program alone is captured, as where a timing before the step
+    fails.
     """
     choice = trial_choice(step, streams)
-    failure = None
+    failure, memory = None, False
     if choice is not None:
         try:
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
             return step._trial.programs[choice.program_of_default()]
         except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
-            failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            memory = is_out_of_memory(exc)
+            failure = shortfall(exc) if memory else f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
+        step._trial = None
         step._runner.failed()
-        step.step_decisions.append(step._module(streams).settle(None, failure))
+        step.step_decisions.append(step._module(streams).settle(None, failure, out_of_memory=memory))
     # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
     return capture(step, inputs, targets, streams, phase, warmup=1 if key in step.warmed_keys else None)
 
@@ -220,6 +259,7 @@ def capture_programs(step: Any, inputs: tuple, targets: Any, streams: int, phase
         for plan, body in bodies:
             use(plan)
             graph, (loss, grads) = runner.capture(body, step)
+            step.capture_log.captures += 1
             captured.append(Captured(graph, static_inputs, static_targets, loss, streams, grads))
     finally:
         snapshot.restore()

@@ -20,6 +20,7 @@ lived: on the H100 an unfused ResNet-50 b32 whose plan was dropped held
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -27,7 +28,7 @@ import torch
 
 from concur import _torch_compat as compat
 from concur.dag.annotate import tensors_in
-from concur.dag.measure import alternating_replays, can_time, captures_into
+from concur.dag.measure import alternating_replays, can_time, captures_into, capturing
 
 # torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
 HIGHEST_PRIORITY = -100
@@ -98,10 +99,15 @@ class CudaGraphRunner:
         return self._pool
 
     def capture(self, body: Callable[[], Any], step: object) -> tuple[Any, Any]:
+        """Capture ``body`` into the step's pool (:func:`concur.dag.measure.capturing`); return the graph and
+        what ``body`` returned. A capture that fails leaves nothing behind: later captures go to a new pool."""
         graph = torch.cuda.CUDAGraph()
-        with compat.capture_reuses_cross_stream_blocks(), \
-                torch.cuda.graph(graph, pool=self._pool_handle(), stream=self.stream):
-            out = body()
+        try:
+            with capturing(graph, self._pool_handle(), self.stream):
+                out = body()
+        except BaseException:
+            self.new_pool()
+            raise
         # What setup cached outside the pool (warm-up's activations on this stream, which nothing else
         # allocates on) would stay reserved for the life of the process: give it back once per capture.
         torch.cuda.empty_cache()
@@ -149,6 +155,14 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def failed(self) -> None:
+        """After a failed attempt (trial, warm-up, capture): give back what it held, once nothing refers to it.
+
+        Its tensors and graph may sit in reference cycles (a traceback's
+        frames), which only the cyclic collector frees; then the blocks go
+        back to the device, so the next, smaller attempt has the room.
+        """
+        gc.collect()
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 

@@ -56,6 +56,7 @@ from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
 from concur.training.step_body import BeforeStep, StepBody
+from concur.training.status import CaptureLog, StepStatus
 from concur.training.step_streams import decide_step_streams
 from concur.training.trial import StepTrial, several_ranks
 
@@ -142,6 +143,8 @@ class TrainStep:
         self.step_decisions: list[decide.Decision] = []
         self._trial: StepTrial | None = None
         self._warned: set[str] = set()
+        self.capture_log = CaptureLog()
+        self._status_of: Captured | None = None  # the graph the status was last read for
 
     def __getstate__(self) -> dict:
         """What a saved step keeps: its arguments by name (model, optimizer, ...) and its place in the cycle.
@@ -171,6 +174,42 @@ class TrainStep:
         until this is False, so that it times the program the step keeps.
         """
         return self._trial is not None
+
+    @property
+    def status(self) -> StepStatus:
+        """How the last call ran (captured or eagerly, on how many streams, and why) and what the captures went
+        through; ``print(step.status)`` gives it in one line."""
+        log = self.capture_log
+        return StepStatus(log.mode, log.streams, self.requested_streams, log.why, log.captures, log.failures,
+                          log.recovered, tuple(log.fallbacks))
+
+    def recapture(self) -> None:
+        """Capture again at the next call where a capture failed before (eager input shapes, stream counts
+        dropped after a failure): once the cause is gone, e.g. memory freed or a smaller batch."""
+        self.eager_keys.clear()
+        self.failed_streams.clear()
+
+    def _program_streams(self, captured: Captured) -> int:
+        """The streams the program of ``captured`` runs on: its plans' (unfused: the plan it runs; fused: the
+        widest graph the backend keeps on streams), one where a plan was dropped."""
+        if self.compile:
+            backend = self.backends.get(captured.streams)
+            return max((g.num_streams for g in backend.graphs), default=1) if backend is not None else 1
+        module = self.modules.get(captured.streams)
+        try:
+            return module.schedule.num_streams if module is not None else 1
+        except (AttributeError, RuntimeError):  # a module without a plan for this mode yet
+            return captured.streams if isinstance(captured.streams, int) else 1
+
+    def _why_fewer_streams(self, captured: Captured, streams: int) -> str:
+        """Why ``captured`` runs ``streams`` streams where more were asked for; "" where it runs what was asked."""
+        if captured.streams != self.requested_streams and self.capture_log.fallbacks:
+            return self.capture_log.fallbacks[-1]
+        asked = self.requested_streams
+        if streams == 1 and (asked == "auto" or asked > 1):
+            dropped = [d for d in self.step_decisions if not d.keep]
+            return f"{dropped[-1].source}: {dropped[-1].reason}" if dropped else "the plans keep one stream"
+        return ""
 
     @property
     def module(self) -> nn.Module:
@@ -228,6 +267,10 @@ class TrainStep:
                 loss = self._graph_call(inputs, targets, phase)
             else:
                 loss = self._body.eager(inputs, targets, self.module, phase)
+                log = self.capture_log
+                log.mode, log.streams, log.why = "eager", getattr(getattr(self.module, "schedule", None),
+                                                                  "num_streams", None), \
+                    "not captured: cuda_graph=False, or no CUDA inputs (the plan runs in issue order)"
         except Exception as exc:
             error = self._batches.explain(exc, inputs, targets)  # None: not the batch's fault
             if error is None:
@@ -268,13 +311,19 @@ class TrainStep:
             self._warn_if_values_are_baked(baked)
             captured = capture_with_fallback(self, inputs, targets, key, phase)
         self._last_baked = baked
+        log = self.capture_log
         if captured is None:
+            log.mode, log.streams, log.why = "eager", 1, (log.fallbacks or ["no capture succeeded"])[-1]
             return self._body.eager(inputs, targets, self._module(1), phase)
         if captured is not self._gradients.bound:
             self.graphs.move_to_end(key)
         trial = self._trial if self._trial is not None and self._trial.key == key else None
         if trial is not None:
             program, captured = trial.next_program()
+        if captured is not self._status_of:  # host time: the status is read again only for another graph
+            self._status_of = captured
+            log.mode, log.streams = "captured", self._program_streams(captured)
+            log.why = self._why_fewer_streams(captured, log.streams)
         if self._hyper is not None:
             self._hyper.refresh()
         if not phase[0]:

@@ -1,0 +1,43 @@
+"""Telling an out-of-memory failure from other failures of setup, and saying how much memory was missing.
+
+Setup (a trial of programs, a timing, a warm-up, a capture) must never cost
+the user's run: where a program of several streams does not fit, the step
+runs fewer streams or one, and says by how much it missed. Torch's caching
+allocator raises ``torch.OutOfMemoryError`` with the request and what was
+free in its message; a graph that does not fit when instantiated raises the
+driver's "out of memory" as a plain ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from concur.dag.decide import out_of_memory as is_out_of_memory
+
+__all__ = ["is_out_of_memory", "shortfall"]
+
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)")
+_FREE = re.compile(r"of which ([0-9.]+ [KMGT]?i?B) is free")
+_LIMIT = re.compile(r"([0-9.]+ [KMGT]?i?B) allowed;")  # under torch.cuda.set_per_process_memory_fraction
+
+
+def shortfall(exc: BaseException) -> str:
+    """How much memory ``exc`` says was missing, in words: the request, what was free, the process's limit.
+
+    >>> shortfall(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total "
+    ...     "capacity of 139.81 GiB of which 12.00 MiB is free."))
+    'an allocation of 20.00 MiB did not fit in the 12.00 MiB free'
+    >>> shortfall(RuntimeError("CUDA error: out of memory"))
+    'CUDA error: out of memory'
+    """
+    text = str(exc)
+    request, free, limit = (m.group(1) if m else None for m in (_REQUEST.search(text), _FREE.search(text),
+                                                                 _LIMIT.search(text)))
+    if request is None:
+        return (text.splitlines() or [type(exc).__name__])[0][:200]
+    said = f"an allocation of {request} did not fit"
+    if free is not None:
+        said += f" in the {free} free"
+    if limit is not None:
+        said += f" (the process may use {limit})"
+    return said

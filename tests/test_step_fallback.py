@@ -1,0 +1,184 @@
+"""A setup that fails (out of memory, a capture the driver invalidates) never costs the user's run.
+
+Faults are faked at each point of setup (the trial of programs is in
+tests/test_step_trial.py, a timing in tests/test_decide.py): a warm-up or
+capture that runs out of memory drops to one stream at once, with one
+warning that says how much memory was missing; a capture that fails for
+another reason is tried again in a new pool; eager execution is the last
+resort, says why, and ``recapture()`` captures again. Every run must still
+equal the plain loop's, and :attr:`TrainStep.status` says how it ran.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+import concur
+import concur.training.step as train_mod
+from concur.training import graph_runner
+from tests.fake_cuda_graphs import fake_cuda
+from tests.test_step_habits import (SGD_M, EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model,
+                                    plain_loop)
+
+OOM = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.81 GiB of which " \
+      "12.00 MiB is free. 4.00 GiB allowed; Of the allocated memory 3.90 GiB is allocated by PyTorch"
+
+
+class FailingGraphs(EmulatedGraphs):
+    """Captures that raise ``errors[i]`` (an exception, or None for success) at the i-th attempt, and log each
+    attempt's stream count and what was given back after a failure."""
+
+    def __init__(self, errors):
+        super().__init__()
+        self.errors = list(errors)
+        self.attempts = []   # the step's stream count at each capture attempt
+        self.freed = 0       # failed() calls: what a failed attempt held, given back
+        self.pools = 0       # new_pool() calls
+
+    def capture(self, body, step):
+        self.attempts.append(step.capture_log.captures)
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+        return super().capture(body, step)
+
+    def failed(self):
+        self.freed += 1
+
+    def new_pool(self):
+        self.pools += 1
+
+
+def run(monkeypatch, runner, batches, events=None, streams=2):
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    model, ref = make_model(), make_model()
+    opt, ref_opt = SGD_M(model), SGD_M(ref)
+    step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            if events and i in events:
+                events[i](model, opt)
+            losses.append(step(x, y).item())
+    expected = plain_loop(ref, ref_opt, batches, events=events)
+    assert_same_run(losses, expected, model, ref)
+    return step, [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+
+
+def test_out_of_memory_capturing_streams_drops_to_one_stream_at_once_and_says_what_was_missing(monkeypatch):
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said = run(monkeypatch, runner, make_batches(6) + make_batches(3, size=4))
+    assert len(runner.attempts) == 3, "one failed attempt on 2 streams (not retried), then one graph per shape"
+    assert step.failed_streams == {2} and 2 not in step.modules
+    assert runner.freed >= 1, "the failed attempt's memory must be given back before the next"
+    (warning,) = said
+    assert "does not fit in memory" in warning and "20.00 MiB" in warning and "12.00 MiB free" in warning
+    assert "4.00 GiB" in warning and "1 stream" in warning
+    status = step.status
+    assert status.captured and status.streams == 1 and "does not fit in memory" in status.why
+    assert (status.captures, status.failures, status.recovered) == (2, 1, 0)
+    assert "1 stream of 2 asked for" in str(status)
+
+
+def test_out_of_memory_in_warm_up_falls_back_like_one_in_capture(monkeypatch):
+    """The warm-up of the two-stream module runs out of memory: one stream, same run as the plain loop."""
+    runner = FailingGraphs([])
+    body = train_mod.StepBody.backward
+    calls = []
+
+    def backward(self, loss):
+        calls.append(self)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError(OOM)
+        return body(self, loss)
+
+    monkeypatch.setattr(train_mod.StepBody, "backward", backward)
+    step, said = run(monkeypatch, runner, make_batches(5))
+    assert step.failed_streams == {2} and step.status.streams == 1
+    assert len(said) == 1 and "does not fit in memory" in said[0]
+
+
+def test_out_of_memory_at_a_recapture_after_freezing_falls_back_and_keeps_training(monkeypatch):
+    """The capture after a change (half the model frozen) runs out of memory: that graph and later ones run one
+    stream; the graph captured before keeps its streams until it is evicted, and the run equals the plain loop."""
+    runner = FailingGraphs([None, torch.OutOfMemoryError(OOM)])
+
+    def freeze(model, opt):
+        for p in model.a.parameters():
+            p.requires_grad_(False)
+
+    step, said = run(monkeypatch, runner, make_batches(8), events={4: freeze})
+    assert step.failed_streams == {2} and len(said) == 1
+    assert step.status.streams == 1 and step.status.failures == 1
+
+
+def test_a_capture_that_fails_once_for_another_reason_is_retried_in_a_new_pool(monkeypatch):
+    """What the stress run saw: a capture invalidated by a graph freed mid-capture. The retry recovers it, on
+    the streams asked for, with no warning."""
+    runner = FailingGraphs([RuntimeError("operation not permitted when stream is capturing")])
+    step, said = run(monkeypatch, runner, make_batches(5))
+    assert not said and not step.failed_streams
+    assert runner.freed >= 1
+    status = step.status
+    assert status.captured and status.streams == 2 and not status.why
+    assert (status.captures, status.failures, status.recovered) == (1, 1, 1)
+
+
+def test_where_no_capture_succeeds_the_step_runs_eagerly_says_why_and_recapture_captures_again(monkeypatch):
+    error = RuntimeError("beginAllocateToPool: already recording to mempool_id")
+    runner = FailingGraphs([error] * 4)  # twice on 2 streams, twice on 1
+    step, said = run(monkeypatch, runner, make_batches(4))
+    assert len(runner.attempts) == 4 and step.status.mode == "eager"
+    assert "already recording" in step.status.why and str(step.status).startswith("eager")
+    assert any("runs eagerly" in w and "recapture()" in w for w in said)
+    step.recapture()
+    x, y = make_batches(1, seed=7)[0]
+    step(x, y)
+    assert step.status.captured and step.status.streams == 2 and len(runner.attempts) == 5
+
+
+def test_a_failed_capture_ends_the_pools_recording_and_later_captures_use_a_new_pool(monkeypatch):
+    """With torch's graph API faked: the pool a failed capture recorded into is never captured into again."""
+    fake_cuda(monkeypatch)
+    ended = []
+    monkeypatch.setattr(graph_runner.compat, "end_pool_recording", lambda device, pool: ended.append(pool))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runner = graph_runner.CudaGraphRunner(priority=False)
+    first = runner._pool_handle()
+
+    def fails():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError):
+        runner.capture(fails, step=None)
+    assert ended == [first]
+    runner.release_old_pool()
+    runner.capture(lambda: None, step=None)
+    assert runner._pool_handle() != first
+
+
+def test_the_cyclic_collector_is_held_off_during_a_capture(monkeypatch):
+    """Freeing a CUDA graph while a stream captures invalidates the capture: no collection may run inside."""
+    fake_cuda(monkeypatch)
+    runner = graph_runner.CudaGraphRunner(priority=False)
+    seen = []
+    runner.capture(lambda: seen.append(gc.isenabled()), step=None)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError):
+        runner.capture(lambda: (_ for _ in ()).throw(ValueError("x")), step=None)
+    assert gc.isenabled(), "a failed capture must turn the collector back on"
+
+
+def test_status_before_the_first_call_and_without_graphs(monkeypatch):
+    model = make_model()
+    x, y = make_batches(1)[0]
+    step = concur.train_step(model, loss_fn, SGD_M(model), (x, y), streams=2)
+    assert str(step.status) == "not run yet"
+    step(x, y)
+    assert step.status.mode == "eager" and step.status.captures == 0  # CPU: no graphs
+
