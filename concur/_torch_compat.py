@@ -203,26 +203,62 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
         setter(f"{_RECORD_STREAM_REUSE}:False")
 
 
-def end_pool_recording(device: int, pool: object) -> bool:
-    """End the caching allocator's recording into ``pool`` where a failed capture left it on; return whether it was.
+def finish_failed_capture(device: int, pool: object, stream: "torch.cuda.Stream") -> bool:
+    """Undo what a failed CUDA-graph capture into ``pool`` left behind; return whether it had left anything.
 
-    ``CUDAGraph.capture_end`` ends the recording only after the stream's
-    capture ends cleanly: a capture the driver invalidated (a graph freed
-    while another was capturing) raises first, and every later capture into
-    the same pool then fails with "beginAllocateToPool: already recording to
-    mempool_id". Where this torch has no such call, or the pool is not being
-    recorded into, nothing changes (False): the caller captures into a new
-    pool either way.
+    Call it once the failed graph object is gone. A capture the driver
+    invalidated (a block freed with ``cudaFree`` while the stream captured,
+    as the caching allocator does when a capture runs out of memory; a graph
+    destroyed mid-capture) makes ``CUDAGraph.capture_end`` raise before it
+    ends the allocator's recording into the pool, and, on the torch releases
+    that keep a capture flag in the generator, before it ends the device
+    generator's capture. Then every later capture into the pool fails with
+    "beginAllocateToPool: already recording to mempool_id", every random
+    op with "Offset increment outside graph capture encountered
+    unexpectedly", and the pool's memory stays reserved for good: the
+    graph never held it by torch's reckoning, so it never gives it back.
+
+    Where the recording is still on once the graph is gone, torch did not
+    clean up: the recording is ended, the graph's hold on the pool given
+    back (its segments go back to the device at the next ``empty_cache``
+    where no live graph shares the pool) and an empty capture on ``stream``
+    ends the generator's. Where torch cleaned up itself (releases whose
+    graph undoes an abandoned capture), nothing is done: it is never undone
+    twice. A torch without these calls changes nothing (False); the caller
+    captures into a new pool either way.
     """
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None or pool is None:
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None or pool is None:
         return False
     try:
         end(device, pool)
-    except (RuntimeError, TypeError):  # not recording into it (the usual case), or another signature
+    except (RuntimeError, TypeError):  # not recording into it: torch ended the capture, or it never began
         return False
+    try:
+        release(device, pool)
+    except (RuntimeError, TypeError):
+        pass
+    try:
+        with warnings.catch_warnings():  # "The CUDA Graph is empty": the point of this one
+            warnings.simplefilter("ignore")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                graph.capture_begin()
+                graph.capture_end()
+            del graph
+    except RuntimeError:
+        pass
     return True
 
+
+def clear_cublas_workspaces() -> None:
+    """Give back the cuBLAS workspaces torch keeps per handle and stream (held for the life of the process
+    otherwise), as inductor's graph trees do before they capture. Only while no captured graph lives: a graph
+    replays into the workspace it captured with. Nothing happens where this torch has no such call."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _is_generated_call(fn: object) -> bool:

@@ -142,11 +142,18 @@ def test_where_no_capture_succeeds_the_step_runs_eagerly_says_why_and_recapture_
     assert step.status.captured and step.status.streams == 2 and len(runner.attempts) == 5
 
 
-def test_a_failed_capture_ends_the_pools_recording_and_later_captures_use_a_new_pool(monkeypatch):
-    """With torch's graph API faked: the pool a failed capture recorded into is never captured into again."""
-    fake_cuda(monkeypatch)
-    ended = []
-    monkeypatch.setattr(graph_runner.compat, "end_pool_recording", lambda device, pool: ended.append(pool))
+def test_a_failed_capture_is_cleaned_up_after_once_its_graph_is_gone_and_its_pool_is_not_reused(monkeypatch):
+    """With torch's graph API faked: the runner gives back a failed attempt (failed()) after the graph object is
+    freed, asks torch to undo what the capture left (the pool's recording, the generator's capture), and never
+    captures into that pool again."""
+    cuda = fake_cuda(monkeypatch)
+    finished = []
+
+    def finish(device, pool, stream):
+        finished.append((pool, cuda.alive()))
+        return True
+
+    monkeypatch.setattr(graph_runner.compat, "finish_failed_capture", finish)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     runner = graph_runner.CudaGraphRunner(priority=False)
     first = runner._pool_handle()
@@ -156,10 +163,13 @@ def test_a_failed_capture_ends_the_pools_recording_and_later_captures_use_a_new_
 
     with pytest.raises(RuntimeError):
         runner.capture(fails, step=None)
-    assert ended == [first]
+    runner.failed()
+    assert finished == [(first, 0)], "cleaned up once, after the failed graph was freed"
     runner.release_old_pool()
     runner.capture(lambda: None, step=None)
     assert runner._pool_handle() != first
+    runner.failed()
+    assert len(finished) == 1, "a capture that succeeded needs no cleaning up"
 
 
 def test_the_cyclic_collector_is_held_off_during_a_capture(monkeypatch):

@@ -204,6 +204,10 @@ def _replays_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
+# (device, pool, stream) of each capture that failed and has not been cleaned up after (settle_failed_captures)
+_FAILED_CAPTURES: list[tuple[int, Any, torch.cuda.Stream]] = []
+
+
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
     """Capture the block into ``graph`` (in ``pool``, on ``stream``), as every capture of concur's does.
@@ -212,10 +216,12 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     before: it frees objects at moments of its own choosing, and freeing a
     CUDA graph (one in a reference cycle) while a stream captures is an
     illegal call that invalidates the capture ("operation not permitted when
-    stream is capturing"). Where the capture fails anyway, the allocator's
-    recording into ``pool`` is ended (:func:`concur._torch_compat.end_pool_recording`);
-    the caller captures later graphs into another pool.
+    stream is capturing"). A capture that fails is cleaned up after once its
+    graph is gone (:func:`settle_failed_captures`): before the next capture,
+    or where the caller gives back a failed attempt's memory. The caller
+    captures later graphs into another pool.
     """
+    settle_failed_captures()
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
@@ -224,11 +230,22 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
             yield
     except BaseException:
         device = getattr(stream, "device", None)
-        compat.end_pool_recording(torch.cuda.current_device() if device is None else device.index, pool)
+        _FAILED_CAPTURES.append((torch.cuda.current_device() if device is None else device.index, pool, stream))
         raise
     finally:
         if collecting:
             gc.enable()
+
+
+def settle_failed_captures() -> int:
+    """Clean up after every failed capture whose graph is gone (:func:`concur._torch_compat.finish_failed_capture`);
+    return how many had left the allocator recording. Runs the cyclic collector first: a failed capture's graph
+    may sit in a cycle through the traceback of its error."""
+    if not _FAILED_CAPTURES:
+        return 0
+    gc.collect()
+    failed, _FAILED_CAPTURES[:] = list(_FAILED_CAPTURES), []
+    return sum(compat.finish_failed_capture(device, pool, stream) for device, pool, stream in failed)
 
 
 # the capture stream of the innermost captures_into block, for replay_rounds

@@ -88,6 +88,8 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
             step.modules.pop(streams, None)
             step.backends.pop(streams, None)
             step._runner.failed()
+            if not step.graphs:  # the side streams' cuBLAS workspaces, where no graph replays into them
+                compat.clear_cublas_workspaces()
             fallback = (f"the step on {streams} streams does not fit in memory ({why})" if memory else
                         f"capturing the step on {streams} streams failed {attempt} times ({why})")
             log.fallbacks.append(fallback)

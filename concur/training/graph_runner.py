@@ -28,7 +28,7 @@ import torch
 
 from concur import _torch_compat as compat
 from concur.dag.annotate import tensors_in
-from concur.dag.measure import alternating_replays, can_time, captures_into, capturing
+from concur.dag.measure import alternating_replays, can_time, captures_into, capturing, settle_failed_captures
 
 # torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
 HIGHEST_PRIORITY = -100
@@ -161,6 +161,7 @@ class CudaGraphRunner:
         frames), which only the cyclic collector frees; then the blocks go
         back to the device, so the next, smaller attempt has the room.
         """
+        settle_failed_captures()
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
