@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import warnings
 import weakref
@@ -18,11 +19,11 @@ import torch
 
 MIN_TORCH = (2, 4)
 # The torch.compile backend reads inductor's generated code, which no release promises to keep:
-# these (major, minor) bounds, inclusive, are the releases it was tested on: 2.11 on the H100 (the
-# GPU tests, golden CUDA wrappers), 2.13, 2.14 and 2.15 on the CPU (the tests, golden CPU wrappers,
-# and golden CUDA wrappers generated without a GPU; 2.12 was not tested). Outside them
-# it warns once and relies on failing closed.
-TESTED_TORCH = ((2, 11), (2, 15))
+# these (major, minor) releases are the ones it was tested on: 2.11 on the H100 (the GPU tests,
+# golden CUDA wrappers), 2.13, 2.14 and 2.15 on the CPU (the tests, golden CPU wrappers, and golden
+# CUDA wrappers generated without a GPU). A set, not a range: a release between two tested ones
+# (2.12) was never tested either. On any other release it warns once and relies on failing closed.
+TESTED_TORCH = frozenset({(2, 11), (2, 13), (2, 14), (2, 15)})
 
 
 def torch_version() -> tuple[int, int]:
@@ -68,35 +69,39 @@ def cuda_sanitizer() -> Iterator[None]:
 
 
 # --- torch.compile internals used by concur.backend -------------------------------------------
-# Tested on TESTED_TORCH. Each accessor imports lazily so that `import concur` never pays for (or
-# breaks on) inductor.
+# Tested on the releases in TESTED_TORCH. Each accessor imports lazily so that `import concur` never
+# pays for (or breaks on) inductor.
 
 _warned_untested: list[tuple[int, int]] = []  # the version warned about, once per process
 
 
+def tested_torch_versions() -> str:
+    """Return the releases in :data:`TESTED_TORCH` as text, oldest first ("2.11, 2.13, 2.14 and 2.15")."""
+    names = [f"{major}.{minor}" for major, minor in sorted(TESTED_TORCH)]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def untested_torch() -> str | None:
-    """Return why the installed torch is outside :data:`TESTED_TORCH` for the compile backend, or None."""
-    version, (low, high) = torch_version(), TESTED_TORCH
-    if low <= version <= high:
+    """Return why the installed torch is not in :data:`TESTED_TORCH` for the compile backend, or None."""
+    if torch_version() in TESTED_TORCH:
         return None
-    return (f"torch {torch.__version__} is outside the range concur's torch.compile backend was tested on "
-            f"({low[0]}.{low[1]} to {high[0]}.{high[1]}): inductor's generated code may have changed, so every "
+    return (f"torch {torch.__version__} is not one of the releases concur's torch.compile backend was tested on "
+            f"({tested_torch_versions()}): inductor's generated code may have changed, so every "
             "graph whose wrapper concur does not fully read runs as plain inductor output (with a warning)")
 
 
 def warn_if_untested_torch() -> None:
-    """Warn once per process if the installed torch is outside :data:`TESTED_TORCH`."""
+    """Warn once per process if the installed torch is not in :data:`TESTED_TORCH`."""
     reason = untested_torch()
     if reason is not None and not _warned_untested:
         _warned_untested.append(torch_version())
         warnings.warn(f"concur backend: {reason}", stacklevel=3)
 
 def _compile_internal(what: str, exc: Exception) -> RuntimeError:
-    low, high = TESTED_TORCH
     return RuntimeError(
         f"concur's torch.compile backend needs {what}, which torch {torch.__version__} does not "
-        f"provide ({type(exc).__name__}: {exc}). It is tested on torch {low[0]}.{low[1]} to "
-        f"{high[0]}.{high[1]}; use backend='inductor' or concur.train_step(compile=False) on this version.")
+        f"provide ({type(exc).__name__}: {exc}). It is tested on torch {tested_torch_versions()}; "
+        "use backend='inductor' or concur.train_step(compile=False) on this version.")
 
 
 def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: list, inner_compile) -> object:
@@ -332,10 +337,10 @@ def inductor_mutated_inputs(compiled: object) -> frozenset[int] | None:
     """Return the positions of the inputs a compiled graph's call writes in place, or None where torch does not say.
 
     ``CompiledFxGraph.mutated_input_idxs`` (an ``OrderedSet`` of ints on
-    torch 2.11 to 2.15): the graph inputs inductor's scheduler saw mutated,
+    each release in :data:`TESTED_TORCH`): the graph inputs inductor's scheduler saw mutated,
     the ones its CUDA graph trees copy back. A backward's donated buffers,
-    which inductor may overwrite too, are not among them. Outside
-    :data:`TESTED_TORCH`, or where the attribute is missing or holds
+    which inductor may overwrite too, are not among them. On a release
+    not in :data:`TESTED_TORCH`, or where the attribute is missing or holds
     anything but non-negative ints, this reads as None, and the caller
     leaves the inputs alone.
     """
@@ -451,8 +456,8 @@ def suggests_channels_last(t: torch.Tensor) -> bool:
     meta tensors too, and for symbolic sizes without adding a guard. It
     agrees with c10 on 2.11 and 2.13 to 2.15; earlier copies multiplied by
     a dimension's size where its *stride* exceeded 1 and disagreed on some
-    views (fixed by pytorch#173038). So outside :data:`TESTED_TORCH`, or
-    where the function is missing, c10's rule as written out here answers.
+    views (fixed by pytorch#173038). So on a release not in :data:`TESTED_TORCH`,
+    or where the function is missing, c10's rule as written out here answers.
     """
     if t.layout != torch.strided or t.dim() != 4:
         return False
@@ -669,18 +674,39 @@ def custom_graph_pass_base() -> type:
 
 
 def hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:
-    """Return inductor's hash of some source files and a string (``get_hash_for_files``), for a pass's uuid."""
-    from torch._inductor.custom_graph_pass import get_hash_for_files
+    """Return inductor's hash of some source files and a string (``get_hash_for_files``), for a pass's uuid.
 
-    return get_hash_for_files(paths, extra)
+    Where this torch lacks the helper, the same SHA-256 (of ``extra``, then
+    each file's bytes) is computed here: the uuid only has to change when
+    the files or ``extra`` do, so the FX graph cache behaves as before.
+    """
+    try:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+    except ImportError:
+        get_hash_for_files = None
+    if get_hash_for_files is not None:
+        return get_hash_for_files(paths, extra)
+    hasher = hashlib.sha256(extra.encode("utf-8"))
+    for path in paths:
+        with open(path, "rb") as f:
+            hasher.update(f.read())
+    return hasher.digest()
 
 
 @contextlib.contextmanager
 def post_grad_custom_post_pass(custom_pass: object) -> Iterator[None]:
-    """Run ``custom_pass`` last among inductor's post-grad passes, after any the user set."""
-    from torch._inductor import config
+    """Run ``custom_pass`` last among inductor's post-grad passes, after any the user set.
 
-    existing = config.post_grad_custom_post_pass
+    Raises:
+        RuntimeError: this torch has no ``post_grad_custom_post_pass`` setting (the stamped route's
+            caller then compiles the graph without the pass, with a warning).
+    """
+    try:
+        from torch._inductor import config
+
+        existing = config.post_grad_custom_post_pass
+    except (ImportError, AttributeError) as exc:
+        raise _compile_internal("torch._inductor.config.post_grad_custom_post_pass", exc) from exc
     passes = () if existing is None else tuple(existing) if isinstance(existing, (list, tuple)) else (existing,)
     with config.patch(post_grad_custom_post_pass=[*passes, custom_pass]):
         yield
@@ -704,9 +730,16 @@ def inductor_peak_memory_reordering(enabled: bool) -> Iterator[None]:
 
 
 def inductor_stream_names(num_streams: int) -> list[str]:
-    """Return the names inductor's wrapper gives streams 0 .. num_streams-1 (``default_stream``, ``stream1``...)."""
-    from torch._inductor.stream_constants import DEFAULT_STREAM, STREAM_NAME_TEMPLATE
+    """Return the names inductor's wrapper gives streams 0 .. num_streams-1 (``default_stream``, ``stream1``...).
 
+    Raises:
+        RuntimeError: this torch keeps the names elsewhere (a guessed name would bind nothing the
+            wrapper uses; the stamped route's caller compiles the graph without the pass, with a warning).
+    """
+    try:
+        from torch._inductor.stream_constants import DEFAULT_STREAM, STREAM_NAME_TEMPLATE
+    except ImportError as exc:
+        raise _compile_internal("torch._inductor.stream_constants", exc) from exc
     return [DEFAULT_STREAM] + [STREAM_NAME_TEMPLATE.format(stream_idx=i) for i in range(1, num_streams)]
 
 
@@ -736,20 +769,61 @@ def inductor_source_name(node: torch.fx.Node) -> str:
 # --- GradScaler and fused optimizers, used by concur.training.step -----------------------------------
 
 
+_SCALER_STATE = ("_scale", "_growth_tracker", "_init_scale")
+_MISSING = object()
+
+
+def grad_scaler_unreadable(scaler: "torch.amp.GradScaler") -> str | None:
+    """Return why this torch's GradScaler state cannot be saved and put back by concur, or None if it can.
+
+    An enabled scaler (``torch.amp.GradScaler.__init__``) holds ``_scale`` and
+    ``_growth_tracker`` from its construction on: None until the first
+    ``scale()``, then a tensor each; and ``_init_scale``, what a fresh one
+    starts from. A disabled scaler holds no state, so none is missing.
+    """
+    if not scaler.is_enabled():
+        return None
+    found = {name: getattr(scaler, name, _MISSING) for name in _SCALER_STATE}
+    missing = [name for name, value in found.items() if value is _MISSING]
+    if missing:
+        return f"torch {torch.__version__}'s GradScaler has no {', '.join(missing)}"
+    scale, growth = found["_scale"], found["_growth_tracker"]
+    if (scale is None) != (growth is None) or \
+            not all(t is None or isinstance(t, torch.Tensor) for t in (scale, growth)):
+        return (f"torch {torch.__version__}'s GradScaler holds {type(scale).__name__} and {type(growth).__name__} "
+                "in _scale and _growth_tracker, not two tensors (or two Nones before the first scale())")
+    return None
+
+
 def grad_scaler_tensors(scaler: "torch.amp.GradScaler") -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Return GradScaler's loss scale and growth tracker: its whole mutable state between steps.
 
     Both are private attributes (``_scale``, ``_growth_tracker``), created
-    lazily by the first ``scale()`` call; None until then.
+    lazily by the first ``scale()`` call; None until then, and for a
+    disabled scaler, which has no state.
+
+    Raises:
+        RuntimeError: this torch keeps the state elsewhere (:func:`grad_scaler_unreadable`), so that a
+            restore never silently puts nothing back.
     """
-    return getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    reason = grad_scaler_unreadable(scaler)
+    if reason is not None:
+        raise RuntimeError(f"concur cannot save and put back the loss scale: {reason}; use "
+                           "concur.train_step(cuda_graph=False) with a GradScaler on this torch")
+    if not scaler.is_enabled():
+        return None, None
+    return scaler._scale, scaler._growth_tracker
 
 
 def reset_grad_scaler(scaler: "torch.amp.GradScaler", scale: torch.Tensor | None,
                       growth_tracker: torch.Tensor | None) -> None:
-    """Put GradScaler's tensors back in place: to saved copies, or to a fresh scaler's state if None."""
+    """Put GradScaler's tensors back in place: to saved copies, or to a fresh scaler's state if None.
+
+    Raises:
+        RuntimeError: this torch keeps the state elsewhere (see :func:`grad_scaler_tensors`).
+    """
     live_scale, live_growth = grad_scaler_tensors(scaler)
-    if live_scale is None:
+    if live_scale is None:  # still before the first scale(), or disabled: nothing to put back
         return
     if scale is None:
         live_scale.fill_(scaler._init_scale)

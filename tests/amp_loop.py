@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -31,3 +32,14 @@ def amp_recipe_loop(model: torch.nn.Module, loss_fn: Callable, opt: torch.optim.
             skipped += scaler.get_scale() < before
         losses.append(loss.item())
     return losses, skipped
+
+
+class MovedStateScaler(torch.amp.GradScaler):
+    """A GradScaler of a torch that keeps its state under names concur does not know: torch's own methods
+    (in ``torch.amp.grad_scaler``) still reach ``_scale`` and ``_growth_tracker``; no other code does."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name in ("_scale", "_growth_tracker") and \
+                sys._getframe(1).f_globals.get("__name__") != "torch.amp.grad_scaler":
+            raise AttributeError(name)
+        return super().__getattribute__(name)

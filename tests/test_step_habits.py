@@ -16,6 +16,7 @@ import contextlib
 import copy
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import concur.training.capture as capture_mod
 import concur.training.captured_optim as captured_optim
 import concur.training.step as train_mod
 from concur.training.snapshot import Snapshot
+from tests.amp_loop import MovedStateScaler, amp_recipe_loop
 
 TOL = 1e-9
 
@@ -544,3 +546,23 @@ def test_parameters_moved_to_new_memory_get_a_new_graph(graphs):
     losses, expected, model, ref, step = run_both(SGD_M, make_batches(6), events={3: new_memory})
     assert_same_run(losses, expected, model, ref)
     assert graphs.captures == 2
+
+
+def test_a_grad_scaler_whose_state_this_torch_moved_runs_the_plan_eagerly_with_one_warning(graphs):
+    """Capture's warm-up steps move the loss scale, and a scaler concur cannot put back must not be captured."""
+    batches = make_batches(6)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    scaler = MovedStateScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)  # every warm-up step grows it
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = concur.train_step(model, loss_fn, SGD_M(model), batches[0], streams=2, amp_dtype=torch.float16,
+                                 grad_scaler=scaler)
+        losses = [step(x, y).item() for x, y in batches]
+    moved = [str(w.message) for w in caught if "loss scale cannot be saved and put back" in str(w.message)]
+    assert len(moved) == 1 and "GradScaler has no _scale, _growth_tracker" in moved[0], moved
+    assert not step.cuda_graph and graphs.captures == 0
+    expected, _ = amp_recipe_loop(ref, loss_fn, SGD_M(ref), batches, torch.float16, ref_scaler)
+    assert_same_run(losses, expected, model, ref)
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** 16

@@ -1,4 +1,4 @@
-"""concur._torch_compat: version parsing, the tested range warns once outside it, version counters, small accessors."""
+"""concur._torch_compat: version parsing, an untested release warns once, version counters, small accessors."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from concur import _torch_compat as compat
+from tests.amp_loop import MovedStateScaler
 
 
 @pytest.mark.parametrize("version, expected", [("2.14.1", (2, 14)), ("2.11.0+cu130", (2, 11)),
@@ -18,13 +19,26 @@ def test_the_version_is_major_and_minor(version, expected, monkeypatch):
     assert compat.torch_version() == expected
 
 
-def test_outside_the_tested_range_the_backend_warns_once(monkeypatch):
-    monkeypatch.setattr(compat, "_warned_untested", [])
-    monkeypatch.setattr(compat, "TESTED_TORCH", ((2, 11), (2, 14)))
-    monkeypatch.setattr(compat, "torch_version", lambda: (2, 14))
+@pytest.mark.parametrize("version", [(2, 11), (2, 13), (2, 14), (2, 15)])
+def test_the_releases_the_readme_lists_as_tested_are_tested(version, monkeypatch):
+    monkeypatch.setattr(compat, "torch_version", lambda: version)
     assert compat.untested_torch() is None
-    monkeypatch.setattr(compat, "torch_version", lambda: (2, 15))
-    assert "outside the range concur's torch.compile backend was tested on (2.11 to 2.14)" in compat.untested_torch()
+
+
+@pytest.mark.parametrize("version", [(2, 10), (2, 12), (2, 16), (3, 0)])
+def test_a_release_between_or_beside_the_tested_ones_is_untested(version, monkeypatch):
+    """2.12 lies between two tested releases and was never tested itself."""
+    monkeypatch.setattr(compat, "torch_version", lambda: version)
+    monkeypatch.setattr(torch, "__version__", f"{version[0]}.{version[1]}.0")
+    assert compat.untested_torch() == (
+        f"torch {version[0]}.{version[1]}.0 is not one of the releases concur's torch.compile backend was tested on "
+        "(2.11, 2.13, 2.14 and 2.15): inductor's generated code may have changed, so every graph whose wrapper "
+        "concur does not fully read runs as plain inductor output (with a warning)")
+
+
+def test_an_untested_release_warns_once(monkeypatch):
+    monkeypatch.setattr(compat, "_warned_untested", [])
+    monkeypatch.setattr(compat, "torch_version", lambda: (2, 12))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compat.warn_if_untested_torch()
@@ -63,11 +77,10 @@ def test_compile_phases_are_seconds_by_name():
     assert all(isinstance(k, str) and v >= 0 for k, v in phases.items())
 
 
-def test_a_missing_internal_names_itself_and_the_tested_range():
+def test_a_missing_internal_names_itself_and_the_tested_releases():
     err = compat._compile_internal("torch._inductor.x", ImportError("gone"))
-    low, high = compat.TESTED_TORCH
     assert f"needs torch._inductor.x, which torch {torch.__version__} does not provide (ImportError: gone)" in str(err)
-    assert f"tested on torch {low[0]}.{low[1]} to {high[0]}.{high[1]}" in str(err)
+    assert "tested on torch 2.11, 2.13, 2.14 and 2.15;" in str(err)
 
 
 def test_op_schemas_are_read_for_op_overloads_only():
@@ -226,21 +239,60 @@ def test_channels_last_is_suggested_as_c10_suggests_it_for_every_small_stride(si
             assert compat.suggests_channels_last(t) is _old_weight_grads_rule(t), (size, stride)
 
 
-def test_outside_the_tested_range_or_without_torchs_function_c10s_rule_answers(monkeypatch):
+def _pooling_suggests_channels_last(size: tuple[int, ...], stride: tuple[int, ...]) -> bool | None:
+    """c10's ``suggest_memory_format`` as torch's public ops show it, or None where they cannot tell.
+
+    aten's CPU ``max_pool2d`` lays its output out in the input's
+    ``suggest_memory_format()``; with a 1x1 window the output has the
+    input's sizes, so its strides are either the contiguous or the
+    channels-last ones. None where those two coincide (e.g. N111) or a size
+    is 0 (pooling refuses it).
+    """
+    if 0 in size:
+        return None
+    contiguous = torch.empty(size).stride()
+    channels_last = torch.empty(size, memory_format=torch.channels_last).stride()
+    if contiguous == channels_last:
+        return None
+    out = torch.nn.functional.max_pool2d(torch.empty_strided(size, stride), 1).stride()
+    assert out in (contiguous, channels_last), (size, stride, out)
+    return out == channels_last
+
+
+def test_outside_the_tested_releases_torchs_python_copy_is_not_asked(monkeypatch):
     import torch._prims_common as prims_common
 
     wrong = lambda t: torch.channels_last  # noqa: E731 - a torch whose answer must not be used
     monkeypatch.setattr(prims_common, "suggest_memory_format", wrong)
     contiguous = torch.empty(16, 8, 3, 3, device="meta")
     if compat.untested_torch() is None:
-        assert compat.suggests_channels_last(contiguous)  # torch's is asked inside the range
+        assert compat.suggests_channels_last(contiguous)  # torch's is asked on a tested release
     monkeypatch.setattr(compat, "untested_torch", lambda: "outside")
     assert not compat.suggests_channels_last(contiguous)
-    monkeypatch.undo()
+
+
+def test_without_torchs_python_copy_the_answer_is_what_torchs_pooling_lays_out(monkeypatch):
+    """c10's rule, as concur writes it out, against c10 itself (through max_pool2d), not against a copy."""
+    import itertools
+
+    import torch._prims_common as prims_common
+
     monkeypatch.delattr(prims_common, "suggest_memory_format")
-    for size, stride in _weights_and_views():
-        t = torch.empty_strided(size, stride, device="meta")
-        assert compat.suggests_channels_last(t) is _old_weight_grads_rule(t), (size, stride)
+    cases = _weights_and_views() + [(size, stride) for size in itertools.product((1, 2, 3), repeat=4)
+                                    for stride in itertools.product((0, 1, 2, 3, 6), repeat=4)]
+    told = {True: 0, False: 0}
+    for size, stride in cases:
+        expected = _pooling_suggests_channels_last(size, stride)
+        if expected is None:
+            continue
+        told[expected] += 1
+        assert compat.suggests_channels_last(torch.empty_strided(size, stride, device="meta")) is expected, \
+            (size, stride)
+    assert told[True] > 100 and told[False] > 10_000, told  # the oracle decided many cases both ways
+    for size in ((0, 8, 3, 3), (16, 0, 1, 1), (2, 3, 0, 4)):  # c10 reads no format into an empty tensor
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            assert not compat.suggests_channels_last(torch.empty(size, device="meta").to(memory_format=fmt))
+    assert not compat.suggests_channels_last(torch.empty(8, 1, 1, 1))  # N111: contiguous by c10's convention
 
 
 def test_only_a_strided_4d_tensor_suggests_channels_last():
@@ -291,3 +343,78 @@ def test_cross_stream_reuse_leaves_the_users_setting_and_unknown_allocators_alon
     _fake_allocator(monkeypatch, fails=True)  # a torch whose allocator does not know the option: nothing changes
     with compat.capture_reuses_cross_stream_blocks():
         pass
+
+
+# --- private seams that must fail closed: inductor's pass hash, its post-grad setting and stream names ---
+
+
+def test_a_pass_uuid_is_the_files_sha256_with_or_without_torchs_helper(tmp_path, monkeypatch):
+    import hashlib
+
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_bytes(b"x = 1\n")
+    b.write_bytes(b"y = 2\n")
+    expected = hashlib.sha256(b"opts" + b"x = 1\n" + b"y = 2\n").digest()
+    assert compat.hash_for_files((str(a), str(b)), extra="opts") == expected
+    monkeypatch.delattr(custom_graph_pass, "get_hash_for_files")
+    assert compat.hash_for_files((str(a), str(b)), extra="opts") == expected
+    b.write_bytes(b"y = 3\n")
+    assert compat.hash_for_files((str(a), str(b)), extra="opts") != expected
+
+
+def test_the_post_grad_pass_goes_after_the_users_and_a_torch_without_the_setting_names_it(monkeypatch):
+    import types
+
+    import torch._inductor
+    from torch._inductor import config
+
+    def users(graph):
+        pass
+
+    def ours(graph):
+        pass
+
+    with config.patch(post_grad_custom_post_pass=users):
+        with compat.post_grad_custom_post_pass(ours):
+            assert config.post_grad_custom_post_pass == [users, ours]
+        assert config.post_grad_custom_post_pass is users
+    monkeypatch.setattr(torch._inductor, "config", types.SimpleNamespace())  # a torch that renamed the setting
+    with pytest.raises(RuntimeError, match="needs torch._inductor.config.post_grad_custom_post_pass"):
+        with compat.post_grad_custom_post_pass(ours):
+            pass
+
+
+def test_stream_names_are_inductors_and_a_torch_without_them_names_the_module(monkeypatch):
+    import sys
+
+    assert compat.inductor_stream_names(3) == ["default_stream", "stream1", "stream2"]
+    monkeypatch.setitem(sys.modules, "torch._inductor.stream_constants", None)  # import fails, as when moved
+    with pytest.raises(RuntimeError, match="needs torch._inductor.stream_constants"):
+        compat.inductor_stream_names(3)
+
+
+# --- GradScaler's private state ---------------------------------------------------------------------
+
+
+def test_a_fresh_scaler_has_no_tensors_yet_and_a_used_one_has_both():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert compat.grad_scaler_unreadable(scaler) is None
+    assert compat.grad_scaler_tensors(scaler) == (None, None)  # before the first scale(): not an error
+    compat.reset_grad_scaler(scaler, None, None)  # nothing to put back yet
+    scaler.scale(torch.ones(()))
+    scale, growth = compat.grad_scaler_tensors(scaler)
+    assert scale.item() == 1024.0 and growth.item() == 0
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    assert compat.grad_scaler_unreadable(disabled) is None and compat.grad_scaler_tensors(disabled) == (None, None)
+
+
+def test_a_scaler_whose_state_moved_raises_instead_of_restoring_nothing():
+    scaler = MovedStateScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    assert "GradScaler has no _scale, _growth_tracker" in compat.grad_scaler_unreadable(scaler)
+    with pytest.raises(RuntimeError, match="concur cannot save and put back the loss scale"):
+        compat.grad_scaler_tensors(scaler)
+    with pytest.raises(RuntimeError, match="concur cannot save and put back the loss scale"):
+        compat.reset_grad_scaler(scaler, torch.tensor(8.0), torch.tensor(0, dtype=torch.int32))

@@ -111,6 +111,14 @@ class TrainStep:
             warnings.warn("concur.train_step: no CUDA inputs, so the concurrent plan runs eagerly "
                           "in issue order (same results as the plain loop).", stacklevel=3)
         self.cuda_graph = self._runner is not None
+        # Capture warms up on whole steps, which move the loss scale: a scaler whose state cannot be put
+        # back would start the first replay from another scale than the plain loop's first step.
+        unreadable = compat.grad_scaler_unreadable(self.grad_scaler) if self.grad_scaler is not None else None
+        if self.cuda_graph and unreadable is not None:
+            warnings.warn(f"concur.train_step: the GradScaler's loss scale cannot be saved and put back after the "
+                          f"warm-up steps a CUDA graph capture runs ({unreadable}); running the concurrent plan "
+                          "eagerly, with the same results as the plain loop.", stacklevel=3)
+            self.cuda_graph, self._runner = False, None
         # Under GradScaler a plain optimizer asks found_inf.item() on the host, which a graph
         # cannot capture; fused ones skip an overflowing step on the device.
         if self.cuda_graph and self.grad_scaler is not None and not compat.enable_device_side_amp_skip(optimizer):
