@@ -1,8 +1,9 @@
 """The ``concur`` command: ``inspect`` a model's plan, run the ``demo``, write a ``report``, list or clear the ``cache``.
 
-A mistake on the command line (an unknown model, an input too small for it, a
-missing run directory) prints one line saying what to do and exits with 2;
-``--debug`` shows the traceback instead.
+A mistake on the command line (an unknown model, a model file that fails to
+import, an input the model cannot take, a missing run directory) prints one
+line saying what to do and exits with 2; ``--debug`` shows the traceback
+instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import schedulers
 
 from concur.dag.cost import ROOFLINES, AnalyticCost, describe, roofline_for
-from concur.errors import CaptureError, ConcurError, PlanError
+from concur.errors import CaptureError, ConcurError, ExampleInputError, PlanError
 from concur.fx import module as api
 from concur.observe.timing import time_cuda_ms
 from concur.zoo import ModelSpecError, ZooModel, load
@@ -45,16 +46,29 @@ def device_model(choice: str) -> tuple[AnalyticCost, str]:
 
 
 def _model(args: argparse.Namespace) -> ZooModel:
-    """Build the model and settle ``args.image_size`` (the model's own size unless given)."""
+    """Build the model and settle ``args.image_size`` (the model's own size unless given or ``--input-shape`` is)."""
     zoo = load(args.model)
-    if args.image_size is None:
-        args.image_size = zoo.image_size
-    zoo.check_image_size(args.image_size)
+    if args.input_shape is None:
+        if args.image_size is None:
+            args.image_size = zoo.image_size
+        zoo.check_image_size(args.image_size)
     return zoo
 
 
+def _sample_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """Return one example's shape, without the batch: ``--input-shape``, else 3 x size x size."""
+    return args.input_shape or (3, args.image_size, args.image_size)
+
+
+def _input_text(args: argparse.Namespace) -> str:
+    """Return the example input as the first line of ``inspect`` and ``demo`` names it."""
+    if args.input_shape is None:
+        return f"{args.image_size}x{args.image_size}"
+    return f"input {'x'.join(map(str, args.input_shape))}"
+
+
 def _example(args: argparse.Namespace, device: str) -> tuple[torch.Tensor]:
-    return (torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device),)
+    return (torch.randn(args.batch_size, *_sample_shape(args), device=device),)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -64,18 +78,29 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _analysed(args: argparse.Namespace, zoo: ZooModel, what, *call_args, **kwargs):
-    """Run ``what`` (inspect or optimize) on the model; a failure of the model itself becomes one line."""
+    """Run ``what`` (inspect or optimize) on the model; a failure of the model itself becomes one line.
+
+    concur raises :class:`ExampleInputError` only where the model itself, run
+    eagerly, fails on the input: the input the command line asked for is
+    wrong (exit 2, naming the option that fixes it). Any other failure is
+    not the input's (exit 1).
+    """
     try:
         return what(*call_args, **kwargs)
     except (CaptureError, PlanError):
         raise
-    except Exception as exc:  # the model itself failed on the example input
+    except Exception as exc:
         root = getattr(exc, "original", None) or _root_cause(exc)
-        failure = (f"{args.model} failed on a {args.batch_size}x3x{args.image_size}x{args.image_size} input: "
-                   f"{type(root).__name__}: {_first_line(root)}")
-        if args.image_size != zoo.image_size:
+        shape = "x".join(map(str, (args.batch_size, *_sample_shape(args))))
+        failure = f"{args.model} failed on a {shape} input: {type(root).__name__}: {_first_line(root)}"
+        if not isinstance(exc, ExampleInputError):
+            raise RuntimeError(failure) from exc
+        if args.input_shape is not None:
+            raise UsageError(f"{failure}; check --input-shape, the shape of one sample without the batch") from exc
+        if zoo.size_known and args.image_size != zoo.image_size:
             raise UsageError(f"{failure}; try its own size, --image-size {zoo.image_size}") from exc
-        raise RuntimeError(failure) from exc
+        raise UsageError(f"{failure}; give the shape of one sample it takes with --input-shape "
+                         f"(e.g. --input-shape 1,28,28; the batch is prepended)") from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -109,7 +134,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     model = zoo.model.train(not args.eval)
     example = _example(args, "cpu")
     cost, note = device_model(args.device)
-    print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+    print(f"{args.model}, batch {args.batch_size}, {_input_text(args)}, "
           f"{'eval' if args.eval else 'train'} mode{'; ' + note if note else ''}")
     inspection = _analysed(args, zoo, api.inspect, model, example, scheduler=args.scheduler, cost_model=cost,
                            max_streams=max(INSPECTED_STREAMS, args.streams))
@@ -143,11 +168,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     reference, serial_copy = copy.deepcopy(model), copy.deepcopy(model)
     example = _example(args, device)
     cost, note = device_model(args.device)
-    print(f"concur demo: {args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, on {device}"
+    print(f"concur demo: {args.model}, batch {args.batch_size}, {_input_text(args)}, on {device}"
           f"{'; ' + note if note else ''}")
-    print(_analysed(args, zoo, api.inspect, model, example, cost_model=cost))
-    cm = _analysed(args, zoo, api.optimize, model, example, streams=args.streams, cost_model=cost)
-    serial = api.optimize(serial_copy, example, streams=1, cost_model=cost)
+    print(_analysed(args, zoo, api.inspect, model, example, scheduler=args.scheduler, cost_model=cost))
+    cm = _analysed(args, zoo, api.optimize, model, example, streams=args.streams, scheduler=args.scheduler,
+                   cost_model=cost)
+    serial = api.optimize(serial_copy, example, streams=1, scheduler=args.scheduler, cost_model=cost)
     print(_plan_summary(cm, describe(cost)))
 
     x = _example(args, device)[0]
@@ -164,12 +190,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         torch.backends.cudnn.allow_tf32 = True
         from concur.training.step import train_step
 
-        y = torch.randint(0, 1000, (args.batch_size,), device=device)
-        loss_fn = torch.nn.CrossEntropyLoss()
+        # the check's loss (the output's mean square), so that any model's output fits it, not only 1000 classes
+        y = torch.zeros_like(out_ref)
+        loss_fn = torch.nn.MSELoss()
         for label, streams in (("serial CUDA graph", 1), (f"concur CUDA graph, {args.streams} streams", args.streams)):
             m = copy.deepcopy(reference)
             step = train_step(m, loss_fn, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), (x, y),
-                              streams=streams)
+                              streams=streams, scheduler=args.scheduler)
             print(f"training step, {label}: {time_cuda_ms(lambda: step(x, y))[0]:.2f} ms")
     else:
         print("no GPU here: the plan ran in its issue order on the CPU; timings need CUDA.")
@@ -179,8 +206,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from concur.observe.report import write_report
 
-    if not (Path(args.run_dir) / "run.json").is_file():
-        raise UsageError(f"{args.run_dir} holds no run.json: pass the directory an experiment wrote "
+    run_dir = Path(args.run_dir)
+    wrong = ("does not exist" if not run_dir.exists() else "is not a directory" if not run_dir.is_dir() else
+             "holds no run.json" if not (run_dir / "run.json").is_file() else "")
+    if wrong:
+        raise UsageError(f"{args.run_dir} {wrong}: pass the directory an experiment wrote "
                          "(e.g. experiments/results/<run>/tuner/<case>)")
     path = write_report(args.run_dir, args.out)
     print(f"report written: {path} (numbers in {path.parent / 'report.json'})")
@@ -239,6 +269,19 @@ def _int_in(low: int, high: int):
     return parse
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    """Parse ``--input-shape``: whole numbers >= 1 separated by commas (or x), e.g. ``1,28,28``."""
+    parts = text.replace("x", ",").split(",")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape: give whole numbers separated by commas, "
+                                         "e.g. 1,28,28") from None
+    if not all(1 <= d <= 1 << 16 for d in shape):
+        raise argparse.ArgumentTypeError(f"{text!r} has a size not in 1..{1 << 16}")
+    return shape
+
+
 def _plain(doc: str) -> str:
     """Return a docstring as terminal text: reStructuredText's ``literal`` marks dropped."""
     return doc.replace("``", "")
@@ -258,11 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "or on PYTHONPATH; my_file.py:make_model also works) (default: %(default)s)")
     common.add_argument("--batch-size", type=_int_in(1, 1 << 16), default=8, metavar="N",
                         help="batch of the example input (default: %(default)s)")
-    common.add_argument("--image-size", type=_int_in(1, 1 << 14), default=None, metavar="PX",
-                        help="side of the square example input (default: the model's own: 224 for most "
-                             "torchvision models, 299 for inception_v3, timm's input_size)")
+    size = common.add_mutually_exclusive_group()
+    size.add_argument("--image-size", type=_int_in(1, 1 << 14), default=None, metavar="PX",
+                      help="side of the square 3-channel example input (default: the model's own: 224 for most "
+                           "torchvision models, 299 for inception_v3, timm's input_size; 224 for my.module:NAME)")
+    size.add_argument("--input-shape", type=_shape, default=None, metavar="D,D,...",
+                      help="shape of one example input without the batch, which is prepended: 1,28,28 for "
+                           "one-channel 28x28 images, 16 for 16 features; a random float tensor (default: "
+                           "3,PX,PX from --image-size)")
     common.add_argument("--streams", type=_int_in(1, 64), default=4, metavar="N",
                         help="CUDA streams the plan may use (default: %(default)s)")
+    common.add_argument("--scheduler", default="critical_path", choices=sorted(schedulers.SCHEDULERS),
+                        help="how ops are placed on streams (default: %(default)s)")
     common.add_argument("--device", default=AUTO, choices=[AUTO, *ROOFLINES],
                         help="device whose roofline predicts op times, hence the plan and the predicted "
                              f"speedup (default: %(default)s: this machine's GPU, or {NO_GPU_DEVICE} "
@@ -276,8 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and which stream count is predicted fastest when it is not --streams. "
                                       "The DAG itself is not printed: concur.inspect and "
                                       "concur.optimize(...).plan give it in Python.")
-    insp.add_argument("--scheduler", default="critical_path", choices=sorted(schedulers.SCHEDULERS),
-                      help="how ops are placed on streams (default: %(default)s)")
     insp.add_argument("--eval", action="store_true", help="trace in eval mode (default: train mode)")
     insp.set_defaults(func=cmd_inspect)
     demo = sub.add_parser("demo", parents=[common], help="trace, schedule, check and (on a GPU) time a model",
@@ -285,13 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
                                       "original, and on a GPU time serial against concurrent training steps.")
     demo.set_defaults(func=cmd_demo)
     rep = sub.add_parser("report", parents=[debug],
-                         help="turn a run directory into one HTML page, PNG plots and JSON")
+                         help="turn a run directory into one HTML page, PNG plots and JSON",
+                         description="Read RUN_DIR/run.json, written by an experiment, and write one HTML page, "
+                                     "PNG plots and report.json into --out.")
     rep.add_argument("run_dir", help="directory holding run.json (written by an experiment); required")
     rep.add_argument("--out", default=None, help="output directory (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
     cache = sub.add_parser("cache", parents=[debug],
-                           help="list or clear what later runs reuse: the tuner's choices (concur.observe.tuner) and "
-                                "the measured stream decisions")
+                           help="list or clear the tuner's choices and the stream decisions later runs reuse",
+                           description="List or clear what later runs read instead of measuring again: the "
+                                       "tuner's choices (concur.observe.tuner) and the measured stream decisions, "
+                                       "each listed with the times it rests on.")
     cache.add_argument("action", choices=["clear", "list"], help="what to do with the cache; required")
     cache.add_argument("--dir", default=None,
                        help="cache directory (default: $CONCUR_CACHE_DIR, else ~/.cache/concur)")

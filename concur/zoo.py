@@ -4,7 +4,9 @@ A model spec is ``torchvision:NAME`` (``torchvision.models.list_models()``),
 ``timm:NAME`` (``timm.list_models()``, needs ``pip install timm``) or
 ``package.module:factory`` (a callable taking no arguments), imported as
 ``python -m`` would: a module in the current folder is found without
-``PYTHONPATH``. Every model is randomly initialised: concur's plan depends on
+``PYTHONPATH``; ``path/to/file.py:factory`` names a file, relative or absolute,
+anywhere. A model file that fails to import, or a factory that raises, is a
+:class:`ModelSpecError` naming the file and line. Every model is randomly initialised: concur's plan depends on
 shapes, not on weights.
 """
 
@@ -12,10 +14,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -50,6 +55,7 @@ class ZooModel:
     image_size: int      # what the model is made for: its weights' crop size, timm's input size
     min_image_size: int  # the smallest input it accepts
     fixed_size: bool = False  # it accepts ``image_size`` only (a ViT's position embeddings)
+    size_known: bool = True  # False for a user's factory: ``image_size`` is only a guess
 
     def check_image_size(self, size: int) -> None:
         """Raise :class:`ModelSpecError` saying which size to use if ``size`` does not fit the model."""
@@ -144,15 +150,91 @@ def import_from_cwd(module_name: str):
             sys.path.remove(cwd)
 
 
-def _factory(spec: str, module_name: str, attr: str) -> ZooModel:
-    if module_name.endswith(".py"):  # a file's path, as a user may type it: my_file.py, models/net.py
-        module_name = os.path.normpath(module_name).removesuffix(".py").replace(os.sep, ".").replace("/", ".")
+def import_file(path: Path):
+    """Return the module in the file ``path``, its folder heading ``sys.path`` for this import only.
+
+    ``python path/to/file.py`` finds the file's neighbours the same way, so a
+    model file that imports a module beside it works from any folder.
+    """
+    name = path.stem
+    taken = sys.modules.get(name)
+    if taken is not None and getattr(taken, "__file__", None) != str(path):
+        name = f"_concur_model_file_{name}"  # never shadow a module already imported under that name
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.parent)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    sys.modules[name] = module  # dataclasses and pickle look a class's module up by name while it is built
     try:
-        module = import_from_cwd(module_name)
-    except ImportError as exc:
-        raise ModelSpecError(f"cannot import {module_name!r} for {spec} ({exc}): {module_name.replace('.', '/')}.py "
-                             f"must be in the current folder ({os.getcwd()}) or on PYTHONPATH, "
-                             f"or use {SPEC_FORMS}") from None
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        if added:
+            sys.path.remove(folder)
+    return module
+
+
+def _import_model_module(spec: str, module_name: str):
+    """Return the module a factory spec names: a dotted name, or a ``.py`` file's path (relative or absolute).
+
+    A file inside the current folder is imported by its dotted name, so that
+    its relative imports work; one elsewhere (or in a folder that is no
+    Python name) is imported from the file itself.
+    """
+    if not module_name.endswith(".py"):
+        return import_from_cwd(module_name)
+    path = Path(module_name).expanduser()
+    if not path.is_file():
+        where = "" if path.is_absolute() else f" in the current folder ({os.getcwd()})"
+        raise ModelSpecError(f"{spec} names the file {module_name}, which does not exist{where}: give the path "
+                             "of the .py file that defines the function, relative or absolute")
+    path = path.resolve()
+    try:
+        parts = path.with_suffix("").relative_to(Path.cwd().resolve()).parts
+    except ValueError:
+        parts = ()
+    if parts and all(p.isidentifier() for p in parts):
+        return import_from_cwd(".".join(parts))
+    return import_file(path)
+
+
+def _where(exc: BaseException) -> str:
+    """Return 'file:line' of the innermost frame of ``exc``'s traceback outside importlib ('' if none)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _import_failure(spec: str, module_name: str, exc: BaseException) -> ModelSpecError:
+    """Return the error for a model module that was not found, or was found and failed while importing."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing is not None and (module_name == missing or module_name.startswith(missing + ".")):
+        return ModelSpecError(
+            f"cannot import {module_name!r} for {spec} ({exc}): {module_name.replace('.', '/')}.py must be in "
+            f"the current folder ({os.getcwd()}) or on PYTHONPATH, or use {SPEC_FORMS}")
+    if isinstance(exc, SyntaxError):
+        return ModelSpecError(f"{exc.filename}:{exc.lineno} has a syntax error ({exc.msg}): fix it to use {spec}")
+    if missing is not None:
+        return ModelSpecError(f"importing {module_name} for {spec} failed at {_where(exc)}: it imports {missing!r}, "
+                              f"which Python cannot find: install it, or put its folder on PYTHONPATH")
+    return ModelSpecError(f"importing {module_name} for {spec} failed at {_where(exc)}: {type(exc).__name__}: "
+                          f"{_first_line(exc)}: fix that line (--debug shows the traceback)")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _factory(spec: str, module_name: str, attr: str) -> ZooModel:
+    try:
+        module = _import_model_module(spec, module_name)
+    except ModelSpecError:
+        raise
+    except Exception as exc:  # the module's own code ran and failed (SyntaxError is an Exception too)
+        raise _import_failure(spec, module_name, exc) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelSpecError(f"{module_name} has no callable {attr!r}: {spec} must name a function that "
@@ -164,7 +246,11 @@ def _factory(spec: str, module_name: str, attr: str) -> ZooModel:
                              "that passes them") from None
     except ValueError:  # a builtin without a signature: let the call itself say
         pass
-    model = factory()
+    try:
+        model = factory()
+    except Exception as exc:
+        raise ModelSpecError(f"{attr}() of {spec} raised at {_where(exc)}: {type(exc).__name__}: "
+                             f"{_first_line(exc)}: fix it to return the model (--debug shows the traceback)") from exc
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
-    return ZooModel(spec, model, 224, 1)  # sizes unknown: a failure on the input says so
+    return ZooModel(spec, model, 224, 1, size_known=False)  # sizes unknown: a failure on the input says so

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,7 +64,6 @@ def _fake_timm(monkeypatch, **cfg):
     (["inspect", "torch.nn:Linear"], "must be callable without arguments"),
     (["inspect", "no_such_module:make"], "cannot import 'no_such_module'"),
     (["inspect", "tests.models:Untraceable", "--image-size", "8", "--batch-size", "2"], "concur.optimize"),
-    (["report", "/nonexistent/run"], "holds no run.json"),
 ])
 def test_a_user_error_is_one_line_with_the_fix_and_exit_code_2(argv, fix, capsys, monkeypatch):
     _fake_timm(monkeypatch)
@@ -286,3 +287,143 @@ def test_inspect_says_when_another_stream_count_is_predicted_faster(model_file_i
     assert out.rstrip().endswith("try --streams 3") and "3 streams are predicted faster than the 2 asked for" in out
     assert main(["inspect", spec, "--batch-size", "2", "--image-size", "8", "--streams", "3"]) == 0
     assert "predicted faster" not in capsys.readouterr().out
+
+
+def test_report_says_whether_the_run_directory_is_missing_or_lacks_run_json(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    for run_dir, wrong in (("missing", "does not exist"), ("a_file", "is not a directory"), (".", "holds no run.json")):
+        assert main(["report", str(tmp_path / run_dir)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"concur report: error: {tmp_path / run_dir} {wrong}: pass the directory"), err
+        assert err.count("\n") == 1
+
+
+def test_every_subcommand_has_a_one_line_summary_and_a_description():
+    parser = build_parser()
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    listed = {choice.dest: choice.help for choice in action._choices_actions}
+    for command, sub in _subparsers(parser).items():
+        assert listed.get(command) and "\n" not in listed[command], command
+        assert sub.description, f"concur {command} --help says nothing about what {command} does"
+
+
+def _options_in_the_guide() -> dict[str, str]:
+    """Return each option of the guide's table for demo and inspect, with its meaning."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "cli.md").read_text()
+    table = guide.split("Options of `demo` and `inspect`:", 1)[1].split("\n\n", 2)[1]
+    return dict(re.findall(r"^\| `(--[a-z-]+)[^|]*\| (.*) \|$", table, re.M))
+
+
+def test_the_guide_lists_the_options_demo_and_inspect_accept():
+    subparsers = _subparsers(build_parser())
+    accepted = {command: {o for a in subparsers[command]._actions for o in a.option_strings if o.startswith("--")}
+                for command in ("demo", "inspect")}
+    guide = _options_in_the_guide()
+    assert "--input-shape" in guide and "--scheduler" in guide
+    for option, meaning in guide.items():
+        only = re.search(r"\(`(\w+)` only\)", meaning)
+        for command in [only[1]] if only else accepted:
+            assert option in accepted[command], f"the guide lists {option} for concur {command}, which rejects it"
+    assert accepted["demo"] | accepted["inspect"] <= set(guide) | {"--help"}
+
+
+def test_demo_takes_the_scheduler_like_inspect(capsys):
+    assert main(["demo", *TINY, "--scheduler", "fork"]) == 0
+    out = capsys.readouterr().out
+    assert "scheduler fork:" in out and "-> OK" in out
+
+
+ONE_CHANNEL = """
+import torch.nn as nn
+
+
+def make():
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(1))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(10, 4), nn.ReLU(), nn.Linear(4, 2))
+"""
+
+
+@pytest.mark.parametrize("factory, good, bad", [("make", "1,8,8", "3,8,8"), ("mlp", "10", "9")])
+def test_input_shape_gives_the_example_input_of_a_model_that_takes_no_rgb_image(
+        factory, good, bad, tmp_path, monkeypatch, capsys):
+    model_file = tmp_path / "one_channel.py"
+    model_file.write_text(ONE_CHANNEL)
+    monkeypatch.chdir(tmp_path)
+    spec = [f"{model_file}:{factory}", "--batch-size", "2"]
+    assert main(["inspect", *spec]) == 2  # a 3-channel image by default: the model's own shape error
+    err = capsys.readouterr().err
+    assert "failed on a 2x3x224x224 input" in err and "with --input-shape" in err and err.count("\n") == 1
+    assert main(["inspect", *spec, "--input-shape", good]) == 0, capsys.readouterr().err
+    shape = good.replace(",", "x")
+    assert capsys.readouterr().out.startswith(f"{model_file}:{factory}, batch 2, input {shape}, train mode")
+    assert main(["demo", *spec, "--input-shape", good]) == 0
+    assert "-> OK" in capsys.readouterr().out
+    assert main(["inspect", *spec, "--input-shape", bad]) == 2
+    err = capsys.readouterr().err
+    assert f"failed on a 2x{bad.replace(',', 'x')} input" in err and "check --input-shape" in err
+
+
+def test_input_shape_is_whole_numbers_and_not_with_image_size(capsys):
+    for argv in (["--input-shape", "1,a"], ["--input-shape", "0,3"], ["--input-shape", "3", "--image-size", "8"]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["inspect", *argv])
+        assert exit_.value.code == 2 and "--input-shape" in capsys.readouterr().err
+    assert build_parser().parse_args(["inspect", "--input-shape", "1x28x28"]).input_shape == (1, 28, 28)
+
+
+@pytest.fixture
+def model_files_outside_the_current_folder(tmp_path, monkeypatch):
+    """A model file that imports a module beside it, in a folder that is not the current one."""
+    suffix = tmp_path.name.replace("-", "_")
+    folder = tmp_path / "my models"  # no Python name: a dotted import could not reach it
+    folder.mkdir()
+    (folder / f"widths_{suffix}.py").write_text("WIDTH = 8\n")
+    (folder / f"net_{suffix}.py").write_text(
+        f"from widths_{suffix} import WIDTH\n" + THREE_BRANCHES.replace("Conv2d(3, 8,", "Conv2d(3, WIDTH,"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    yield folder / f"net_{suffix}.py"
+    for name in (f"net_{suffix}", f"widths_{suffix}"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("form", ["absolute", "relative"])
+def test_a_model_file_outside_the_current_folder_is_imported_from_its_path(
+        form, model_files_outside_the_current_folder, capsys):
+    path = model_files_outside_the_current_folder
+    spec = f"{path if form == 'absolute' else os.path.join('..', 'my models', path.name)}:make"
+    path_before = list(sys.path)
+    assert main(["inspect", spec, "--batch-size", "2", "--image-size", "8"]) == 0, capsys.readouterr().err
+    assert "model              ThreeBranches" in capsys.readouterr().out
+    assert sys.path == path_before  # the file's folder is on sys.path for that import only
+
+
+def test_a_model_file_that_is_not_there_is_named(tmp_path, capsys):
+    assert main(["inspect", f"{tmp_path / 'nothing_here.py'}:make"]) == 2
+    assert f"names the file {tmp_path / 'nothing_here.py'}, which does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source, says", [
+    ("import torch\nimport concur_test_no_such_package\n", "{file}:2: it imports 'concur_test_no_such_package', "
+                                                              "which Python cannot find: install it"),
+    ("import torch\ndef make(:\n    pass\n", "{file}:2 has a syntax error (invalid syntax): fix it"),
+    ("import torch\nraise RuntimeError('no GPU, no model')\n", "{file}:2: RuntimeError: no GPU, no model: fix that line"),
+    ("def make():\n    raise ValueError('bad config')\n", "make() of {spec} raised at {file}:2: ValueError: bad config"),
+])
+def test_a_model_file_that_fails_says_what_failed_where_and_exits_2(source, says, tmp_path, monkeypatch, capsys):
+    name = f"failing_{tmp_path.name.replace('-', '_')}"
+    model_file = tmp_path / f"{name}.py"
+    model_file.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    for spec in (f"{name}:make", f"{model_file}:make"):
+        try:
+            assert main(["inspect", spec]) == 2
+        finally:
+            sys.modules.pop(name, None)
+        err = capsys.readouterr().err
+        assert err.startswith("concur inspect: error: ") and err.count("\n") == 1, err
+        assert says.format(file=model_file, spec=spec) in err and "must be in the current folder" not in err
