@@ -31,12 +31,19 @@ import torch
 import torch.nn as nn
 import torchvision
 
-import concur
-from concur.observe.timing import cuda_block_ms
 from experiments import peers
+
+# concur is imported inside the functions that run it: setup() also builds the model for processes that must
+# not load concur at all (experiments/memory.py's recipe side).
 
 
 def _model(name: str) -> tuple[nn.Module, int]:
+    if name == "hrnet_w18_small":
+        try:
+            import timm
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(f"timm not installed: {name} is a timm model (pip install timm)") from exc
+        return timm.create_model(name, pretrained=False), 224
     kwargs = {"aux_logits": False, "init_weights": False} if name in ("inception_v3", "googlenet") else {}
     return getattr(torchvision.models, name)(**kwargs), 299 if name == "inception_v3" else 224
 
@@ -54,6 +61,8 @@ def setup(name: str, batch_size: int) -> tuple[nn.Module, tuple, nn.Module, Call
 
 def _time(fns: dict, rounds: int, steps: int) -> dict:
     """Median ms per call of each function, over alternating rounds of ``steps`` back-to-back calls."""
+    from concur.observe.timing import cuda_block_ms
+
     times = collections.defaultdict(list)
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -88,6 +97,8 @@ def _kernel_time(fn, calls: int = 5) -> collections.Counter:
 
 
 def main() -> None:
+    import concur
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--batch", type=int, default=8)

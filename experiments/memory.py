@@ -1,0 +1,463 @@
+"""Memory under pressure: does concur's step run where PyTorch's recipe just fits, and how fast.
+
+    PYTHONPATH=. python -m experiments.memory --out DIR [--jobs 4]
+    PYTHONPATH=. python -m experiments.memory --out DIR --networks googlenet --batches 64 --paths fused --streams auto
+
+For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
+(experiments/peers.py: ``compile_graph_step`` on the fused path,
+``eager_graph_step`` on the unfused one) first runs alone: its peak reserved
+memory R, setup included, is the yardstick. Then, each under a process limit
+of ``--limit`` x R (default 1.05): the recipe again (it must fit under its own
+limit), concur's defaults (``train_step(..., amp_dtype=torch.bfloat16,
+compile=path == "fused")``, 4 streams) and concur with ``streams=1``;
+``--streams auto`` adds rows with ``streams="auto"``. A run's outcome is
+``fit`` (set up and trained its steps), ``fallback`` (it ran, but concur
+warned that it dropped streams or ran eagerly; the warnings are in the row)
+or ``error`` (the exception's type and first line, e.g. OutOfMemoryError;
+``skipped`` where the recipe alone gave no R to limit by). DIR/memory.jsonl
+gets one row per run, appended as each ends; a table of the outcomes, streams
+kept, ms per step and peaks relative to the recipe's alone, and a count of
+OutOfMemoryErrors, are printed at the end.
+
+Method. Every run is a fresh process (``python -m experiments.memory
+--child JSON``): the caching allocator's peaks and the memory limit are per
+process. The recipe's processes load nothing of concur (each row records
+whether concur was loaded), so the yardstick cannot depend on what it
+measures; each concur process gets an empty decision cache of its own
+(``CONCUR_CACHE_DIR``), so that it decides as a first run does, timing its
+programs in setup, not reading an earlier run's decisions. The limit is
+``torch.cuda.set_per_process_memory_fraction`` of the device's total memory,
+set before anything is allocated; the allocator keeps reserved memory under
+it, freeing its cached blocks before it raises OutOfMemoryError. A run builds
+the model (``experiments/step_gap.py``'s ``setup``: seeded, channels-last, SGD
+with momentum 0.9, cross-entropy; forward and loss under bf16 autocast) and
+its step, sets the step up (calls it once; an unfused concur step keeps being
+called while ``step.deciding``, those calls timing its programs; then one call
+more, which captures the program kept where a trial ended) and trains
+``--steps`` steps. Peak allocated and reserved count from the process's
+start, setup included; the steady peaks from after setup (peak statistics
+reset), i.e. what the step holds plus what a step adds. The ms per step come
+from CUDA events over ``--timed-steps`` further steps. With ``--jobs N`` up to
+N configurations run side by side, the runs of each one after another; limits
+and peaks stay per process, but the processes share the GPU, so the times of
+such a run are not speed figures: time with ``--jobs 1``. The processes'
+limits together may exceed the GPU's memory with several jobs at large
+batches; a run the driver cannot serve then fails although it fits its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from experiments import peers
+from experiments.step_gap import setup
+
+REPO = Path(__file__).resolve().parents[1]
+NETWORKS = ("googlenet", "inception_v3", "resnet50", "hrnet_w18_small")
+BATCHES = (8, 64, 128)
+PATHS = ("fused", "unfused")
+RECIPE_OF_PATH = {"fused": "compile_graph", "unfused": "eager_graph"}
+ROW_MARK = "MEMORY_ROW "  # the child's row among whatever else torch prints to stdout
+MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past this it is measured as it stands
+CHILD_TIMEOUT_S = 3600.0
+MB = 2**20
+FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the benchmark: a network, a batch size and a path (fused: torch.compile; unfused: plain ops)."""
+
+    network: str
+    batch: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Side:
+    """One run under the limit: who runs (``recipe`` or ``concur``) and the ``streams`` passed (None: the default)."""
+
+    name: str
+    who: str
+    streams: int | str | None = None
+
+
+RECIPE_ALONE = Side("recipe_alone", "recipe")
+
+
+def limited_sides(extra_streams: list[str]) -> list[Side]:
+    """The runs under the limit: the recipe, concur's defaults, concur on one stream, then each extra stream count."""
+    sides = [Side("recipe", "recipe"), Side("concur", "concur"), Side("concur_streams1", "concur", 1)]
+    for s in extra_streams:
+        if f"concur_streams{s}" not in {side.name for side in sides}:
+            sides.append(Side(f"concur_streams{s}", "concur", s if s == "auto" else int(s)))
+    return sides
+
+
+def memory_fraction(limit_bytes: float, total_bytes: int) -> float:
+    """Return the fraction of the device's memory that ``limit_bytes`` is (at most 1: torch refuses more)."""
+    return min(1.0, limit_bytes / total_bytes)
+
+
+# --- the child: one run in its own process ------------------------------------------------------
+# The CUDA calls sit in these small functions so that a CPU test can stand in for them.
+
+def _device() -> tuple[str, int]:
+    """(name, total bytes): the total as the allocator sees it, the one a memory fraction multiplies."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("experiments.memory needs a CUDA device: the recipes capture CUDA graphs")
+    return torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1]
+
+
+def _set_limit(fraction: float) -> None:
+    torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def _peaks() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def _held() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def _reset_peaks() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _ms_per_step(fn: Callable[[], Any], steps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
+                 streams: int | str | None) -> Any:
+    import concur  # here only: the recipe's processes must not load it
+
+    chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
+    return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
+                             compile=path == "fused", **chosen)
+
+
+def _plain(fields: dict) -> dict:
+    """``fields`` with every value JSON can hold as it is, the others as a short repr (a module's would be pages)."""
+    return {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)[:300] for k, v in fields.items()}
+
+
+def _streams_kept(step: Any) -> dict:
+    """The streams the step runs on: from ``step.state`` where the step has one, else from its captured graphs."""
+    found: dict[str, Any] = {}
+    try:
+        state = getattr(step, "state", None)
+    except Exception as exc:  # noqa: BLE001 - an optional attribute: what it raises is recorded, not fatal
+        state, found["state_error"] = None, f"{type(exc).__name__}: {exc}"
+    if state is not None:
+        found["state"] = repr(state)[:4000]
+        if hasattr(state, "__dict__"):
+            found["state_vars"] = _plain(vars(state))
+        if isinstance(getattr(state, "streams", None), (int, str)):
+            found["streams"] = state.streams
+    graphs = getattr(step, "graphs", None) or {}
+    captured = sorted({getattr(c, "streams", None) for c in graphs.values()}, key=str)
+    found["graph_streams"] = captured
+    found.setdefault("streams", captured[0] if len(captured) == 1 else (captured or None))
+    decisions = getattr(step, "step_decisions", None) or []
+    found["decisions"] = [dict(keep=getattr(d, "keep", None), source=getattr(d, "source", None),
+                               reason=str(getattr(d, "reason", ""))[:300]) for d in decisions]
+    return found
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` or what it wraps (inductor and concur re-raise) ran out of device memory."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _train(payload: dict, row: dict) -> None:
+    """Set the limit, build the side's step, set it up, train and time it; the measurements go into ``row``."""
+    gpu, total = _device()
+    row.update(gpu=gpu, total_memory_mb=total / MB)
+    if payload["limit_bytes"] is not None:
+        fraction = memory_fraction(payload["limit_bytes"], total)
+        _set_limit(fraction)  # before anything is allocated, so that setup runs under it too
+        row.update(fraction=fraction, limit_mb=payload["limit_bytes"] / MB)
+    model, batch, loss_fn, optimizer = setup(payload["network"], payload["batch"])
+    if payload["who"] == "recipe":
+        recipe = peers.RECIPES[RECIPE_OF_PATH[payload["path"]]]
+        step = recipe(model, loss_fn, optimizer, batch, amp_dtype=torch.bfloat16)
+    else:
+        step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"])
+    step(*batch)
+    calls = 1
+    # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
+    while getattr(step, "deciding", False) and calls < MAX_SETUP_CALLS:
+        step(*batch)
+        calls += 1
+    row["still_deciding"] = bool(getattr(step, "deciding", False))
+    # where the trial ended, this call captures the program kept: setup too, not a steady step
+    step(*batch)
+    row["setup_calls"] = calls + 1
+    setup_peaks = _peaks()
+    held = _held()
+    _reset_peaks()
+    for _ in range(payload["steps"]):
+        step(*batch)
+    steady = _peaks()
+    row.update(setup_peak_allocated_mb=setup_peaks[0] / MB, setup_peak_reserved_mb=setup_peaks[1] / MB,
+               held_allocated_mb=held[0] / MB, held_reserved_mb=held[1] / MB,
+               steady_peak_allocated_mb=steady[0] / MB, steady_peak_reserved_mb=steady[1] / MB,
+               peak_allocated_mb=max(setup_peaks[0], steady[0]) / MB,
+               peak_reserved_mb=max(setup_peaks[1], steady[1]) / MB)
+    if payload["who"] == "concur":
+        row.update(_streams_kept(step))
+    row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
+
+
+def base_row(payload: dict) -> dict:
+    """What every row of a run carries, whatever became of it: the configuration, the side, the versions, the date."""
+    return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
+                who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
+                recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
+                torch=torch.__version__, date=datetime.date.today().isoformat())
+
+
+def child(payload: dict) -> dict:
+    """Run one side of one configuration in this process; return its row (an exception becomes an error row)."""
+    row = base_row(payload)
+    caught: list[warnings.WarningMessage] = []
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # concur warns once per step; an earlier filter must not hide it
+            _train(payload, row)
+    except Exception as exc:  # noqa: BLE001 - every failure, OOM or not, is the row's outcome
+        row.update(outcome="error", error_type=type(exc).__name__,
+                   error=(str(exc).splitlines() or [""])[0][:500], oom=_is_oom(exc))
+        try:  # how far it got before failing
+            allocated, reserved = _peaks()
+            row.setdefault("peak_allocated_mb", allocated / MB)
+            row.setdefault("peak_reserved_mb", reserved / MB)
+        except Exception:  # noqa: BLE001 - no CUDA, or a device left unusable by the failure
+            pass
+    texts = list(dict.fromkeys(str(w.message)[:1000] for w in caught))
+    row["warnings"] = texts
+    row["fallback_warnings"] = [t for t in texts if t.startswith("concur") and FALLBACK.search(t)]
+    if "outcome" not in row:
+        row.update(outcome="fallback" if row["fallback_warnings"] else "fit", oom=False)
+    row["wall_s"] = time.perf_counter() - started
+    row["concur_loaded"] = any(m == "concur" or m.startswith("concur.") for m in sys.modules)
+    return row
+
+
+# --- the parent: chains of children, rows, table ------------------------------------------------
+
+def _launch(payload: dict, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Start ``python -m experiments.memory --child`` in the repository, whatever the current folder."""
+    return subprocess.run([sys.executable, "-m", "experiments.memory", "--child", json.dumps(payload)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def run_child(payload: dict, timeout_s: float = CHILD_TIMEOUT_S) -> dict:
+    """Run one side in a child process; return its row, or an error row where it crashed, hung or printed none."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cache = None
+    if payload["who"] == "concur":
+        cache = tempfile.mkdtemp(prefix="concur_decisions_")
+        env["CONCUR_CACHE_DIR"] = cache
+    try:
+        proc = _launch(payload, env, timeout_s)
+    except subprocess.TimeoutExpired:
+        return _failed_row(payload, "Timeout", f"no row after {timeout_s:.0f} s", "")
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+    rows = [line[len(ROW_MARK):] for line in (proc.stdout or "").splitlines() if line.startswith(ROW_MARK)]
+    try:
+        row = json.loads(rows[-1]) if rows else None
+    except json.JSONDecodeError:  # cut off by a kill while printing
+        row = None
+    if row is None:
+        return _failed_row(payload, "ChildCrashed", _exit_reason(proc.returncode), proc.stderr or "")
+    row["exit_code"] = proc.returncode  # a crash on the way out, after the row, leaves the row standing
+    return row
+
+
+def _failed_row(payload: dict, error_type: str, error: str, stderr: str) -> dict:
+    return dict(base_row(payload), outcome="error", error_type=error_type, error=error, stderr_tail=stderr[-2000:],
+                oom="out of memory" in stderr.lower())
+
+
+def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: float | None) -> dict:
+    return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
+                streams=side.streams, limit=args.limit if limit_bytes is not None else None,
+                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps)
+
+
+def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
+    """The recipe alone, then each side under ``args.limit`` times its peak reserved; every row goes to ``emit``."""
+    alone = run_child(_payload(config, RECIPE_ALONE, args, None), args.timeout)
+    emit(alone)
+    rows = [alone]
+    reserved = alone.get("peak_reserved_mb") if alone["outcome"] != "error" else None
+    for side in limited_sides(args.streams):
+        if reserved is None:
+            row = dict(base_row(_payload(config, side, args, None)), outcome="skipped", oom=False,
+                       error=f"the recipe alone gave no peak to limit by ({alone.get('error_type')})")
+        else:
+            row = run_child(_payload(config, side, args, args.limit * reserved * MB), args.timeout)
+        emit(row)
+        rows.append(row)
+    return rows
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    return [Config(n, b, p) for n in args.networks for b in args.batches for p in args.paths]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Run every configuration, ``args.jobs`` side by side, appending rows to ``args.out/memory.jsonl``."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "memory.jsonl"
+    lock = threading.Lock()
+
+    def emit(row: dict) -> None:
+        with lock:
+            with path.open("a") as f:
+                f.write(json.dumps(row, default=repr) + "\n")
+            print(f"{row['network']} b{row['batch']} {row['path']} {row['side']}: {_cell(row, None)}", flush=True)
+
+    points = configs(args)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        chains = list(pool.map(lambda c: run_config(c, args, emit), points))
+    return [row for chain in chains for row in chain]
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}" if value is not None and base else "-"
+
+
+def _cell(row: dict, alone: dict | None) -> str:
+    """One run in the table: outcome, streams kept, ms per step, peak allocated / reserved over the recipe's alone."""
+    if row["outcome"] == "skipped":
+        return "skipped"
+    if row["outcome"] == "error":
+        return "OOM" if row.get("oom") else f"error: {row.get('error_type')}"
+    streams = row.get("streams")
+    parts = [row["outcome"]]
+    if streams is not None:
+        parts.append(f"s{'/'.join(map(str, streams)) if isinstance(streams, list) else streams}")
+    if row.get("ms_per_step") is not None:
+        parts.append(f"{row['ms_per_step']:.2f} ms")
+    if alone is not None:
+        parts.append(f"{_ratio(row.get('peak_allocated_mb'), alone.get('peak_allocated_mb'))}"
+                     f"/{_ratio(row.get('peak_reserved_mb'), alone.get('peak_reserved_mb'))}")
+    return " ".join(parts)
+
+
+def table(rows: list[dict]) -> list[str]:
+    """A markdown table, one line per configuration in the order the rows came, and the OutOfMemoryError count."""
+    by_config: dict[tuple, dict[str, dict]] = {}
+    sides: list[str] = []
+    for row in rows:
+        by_config.setdefault((row["network"], row["batch"], row["path"]), {})[row["side"]] = row
+        if row["side"] != RECIPE_ALONE.name and row["side"] not in sides:
+            sides.append(row["side"])
+    lines = ["| network | batch | path | recipe alone: peak reserved MB | "
+             + " | ".join(sides) + " |", "|---|---|---|---|" + "---|" * len(sides)]
+    for (network, batch, path), runs in by_config.items():
+        alone = runs.get(RECIPE_ALONE.name)
+        base = (f"{alone['peak_reserved_mb']:.0f}" if alone and alone.get("peak_reserved_mb") is not None
+                and alone["outcome"] != "error" else _cell(alone, None) if alone else "-")
+        cells = [_cell(runs[s], alone) if s in runs else "-" for s in sides]
+        lines.append(f"| {network} | {batch} | {path} | {base} | " + " | ".join(cells) + " |")
+    lines.append("Cells: outcome, streams kept, ms per step, peak allocated / reserved over the recipe's alone "
+                 "(setup included).")
+    lines.append(oom_line(rows))
+    return lines
+
+
+def oom_line(rows: list[dict]) -> str:
+    """The count of runs that ran out of memory, in all and by side."""
+    ran = [r for r in rows if r["outcome"] != "skipped"]
+    by_side: dict[str, list[int]] = {}
+    for r in ran:
+        counts = by_side.setdefault(r["side"], [0, 0])
+        counts[0] += bool(r.get("oom"))
+        counts[1] += 1
+    return (f"OutOfMemoryError in {sum(c[0] for c in by_side.values())} of {len(ran)} runs: "
+            + ", ".join(f"{side} {n}/{total}" for side, (n, total) in by_side.items()))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="the folder of memory.jsonl")
+    ap.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=NETWORKS)
+    ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--limit", type=float, default=1.05, help="each side's limit, times the recipe's peak reserved")
+    ap.add_argument("--steps", type=int, default=10, help="steps after setup, for the peaks")
+    ap.add_argument("--timed-steps", type=int, default=20, help="steps timed with CUDA events, after those")
+    ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
+    ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
+    ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for s in args.streams:
+        if s != "auto" and not s.isdigit():
+            ap.error(f"--streams takes counts or 'auto', got {s!r}")
+    if args.child is None and args.out is None:
+        ap.error("--out is required")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child is not None:
+        print(ROW_MARK + json.dumps(child(json.loads(args.child)), default=repr), flush=True)
+        return
+    rows = run(args)
+    print("\n".join(table(rows)))
+
+
+if __name__ == "__main__":
+    main()

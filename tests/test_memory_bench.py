@@ -1,0 +1,360 @@
+"""experiments/memory.py, the memory-pressure benchmark: its orchestration on the CPU, children faked.
+
+A child needs CUDA, so the parent's side is tested with the child faked at the
+subprocess boundary (``memory._launch``), and the child's own function runs in
+this process (or a fresh one) with its few CUDA calls stood in for and a tiny
+model in place of the networks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from experiments import memory, peers, step_gap
+
+MB = 2**20
+
+
+def _args(tmp_path: Path, **overrides) -> argparse.Namespace:
+    argv = ["--out", str(tmp_path), "--networks", "googlenet", "--batches", "8", "--paths", "fused"]
+    args = memory.parse_args(argv)
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    return args
+
+
+def _fake_row(payload: dict, **fields) -> dict:
+    row = dict(memory.base_row(payload), outcome="fit", oom=False, gpu="Fake GPU", peak_allocated_mb=100.0,
+               peak_reserved_mb=200.0, ms_per_step=2.0, streams=None if payload["who"] == "recipe" else 4)
+    return dict(row, **fields)
+
+
+class FakeLauncher:
+    """Stands in for the child processes: records each payload and env, answers with ``answer(payload)``."""
+
+    def __init__(self, answer):
+        self.answer, self.payloads, self.envs = answer, [], []
+
+    def __call__(self, payload: dict, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+        self.payloads.append(payload)
+        self.envs.append(env)
+        result = self.answer(payload)
+        if isinstance(result, subprocess.CompletedProcess):
+            return result
+        return subprocess.CompletedProcess([], 0, memory.ROW_MARK + json.dumps(result) + "\n", "")
+
+
+def test_each_limited_run_gets_the_recipes_peak_reserved_times_the_limit(tmp_path, monkeypatch):
+    launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    memory.run(_args(tmp_path, limit=1.05, streams=["auto"]))
+    alone, *limited = launcher.payloads
+    assert (alone["side"], alone["limit_bytes"], alone["limit"]) == ("recipe_alone", None, None)
+    assert [p["side"] for p in limited] == ["recipe", "concur", "concur_streams1", "concur_streamsauto"]
+    assert [p["streams"] for p in limited] == [None, None, 1, "auto"]
+    for p in limited:
+        assert p["limit_bytes"] == pytest.approx(1.05 * 1000 * MB) and p["limit"] == 1.05
+
+
+def test_the_fraction_is_the_limit_over_the_devices_total_and_set_before_setup(monkeypatch):
+    order = []
+    monkeypatch.setattr(memory, "_device", lambda: ("Fake GPU", 4000 * MB))
+    monkeypatch.setattr(memory, "_set_limit", lambda f: order.append(("limit", f)))
+
+    def setup(*a):
+        order.append(("setup",))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(memory, "setup", setup)
+    monkeypatch.setattr(memory, "_peaks", lambda: (0, 0))
+    payload = _payload("recipe", "recipe", None, limit_bytes=1050 * MB)
+    row = memory.child(payload)
+    assert order == [("limit", pytest.approx(1050 / 4000)), ("setup",)]
+    assert row["fraction"] == pytest.approx(0.2625) and row["limit_mb"] == pytest.approx(1050)
+    assert memory.memory_fraction(5000 * MB, 4000 * MB) == 1.0  # torch refuses a fraction over 1
+
+
+def test_each_concur_child_gets_a_fresh_decision_cache_of_its_own(tmp_path, monkeypatch):
+    seen = {}
+
+    def answer(payload):
+        cache = launcher.envs[-1].get("CONCUR_CACHE_DIR")
+        seen[payload["side"]] = cache
+        if payload["who"] == "concur":
+            assert os.path.isdir(cache) and not os.listdir(cache)
+        return _fake_row(payload)
+    launcher = FakeLauncher(answer)
+    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path / "shared"))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    memory.run(_args(tmp_path))
+    concur = [seen["concur"], seen["concur_streams1"]]
+    assert seen["recipe_alone"] == seen["recipe"] == str(tmp_path / "shared")  # untouched: the recipe never reads it
+    assert len(set(concur)) == 2 and str(tmp_path / "shared") not in concur
+    assert not any(os.path.exists(c) for c in concur)  # removed once the child is done
+
+
+def test_a_crashing_or_hanging_child_becomes_an_error_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    def answer(payload):
+        if payload["side"] == "concur":
+            return subprocess.CompletedProcess([], -11, "half a line\n", "Fatal Python error: Segmentation fault")
+        if payload["side"] == "concur_streams1":
+            raise subprocess.TimeoutExpired("python", 5)
+        return _fake_row(payload)
+    monkeypatch.setattr(memory, "_launch", FakeLauncher(answer))
+    rows = {r["side"]: r for r in memory.run(_args(tmp_path))}
+    crashed, hung = rows["concur"], rows["concur_streams1"]
+    assert (crashed["outcome"], crashed["error_type"], crashed["error"]) == ("error", "ChildCrashed",
+                                                                             "killed by SIGSEGV")
+    assert "Segmentation fault" in crashed["stderr_tail"] and crashed["network"] == "googlenet"
+    assert (hung["outcome"], hung["error_type"]) == ("error", "Timeout")
+    assert rows["recipe"]["outcome"] == "fit"
+
+
+def test_a_row_printed_before_a_crash_on_exit_stands(tmp_path, monkeypatch):
+    def answer(payload):
+        row = _fake_row(payload)
+        return subprocess.CompletedProcess([], -6, memory.ROW_MARK + json.dumps(row) + "\n", "abort at exit")
+    monkeypatch.setattr(memory, "_launch", FakeLauncher(answer))
+    row = memory.run_child(_payload("concur", "concur", None, limit_bytes=MB))
+    assert row["outcome"] == "fit" and row["exit_code"] == -6
+
+
+def test_no_limited_run_where_the_recipe_alone_failed(tmp_path, monkeypatch):
+    launcher = FakeLauncher(lambda p: dict(memory.base_row(p), outcome="error", error_type="ModuleNotFoundError",
+                                           error="timm not installed", oom=False))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    rows = memory.run(_args(tmp_path, networks=["hrnet_w18_small"]))
+    assert [p["side"] for p in launcher.payloads] == ["recipe_alone"]
+    assert [r["outcome"] for r in rows] == ["error", "skipped", "skipped", "skipped"]
+    assert "ModuleNotFoundError" in rows[1]["error"]
+
+
+def test_jobs_run_configurations_side_by_side_and_rows_keep_the_configurations_order(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    running, most = set(), [0]
+    lock = threading.Lock()
+
+    def answer(payload):
+        with lock:
+            running.add(payload["batch"])
+            most[0] = max(most[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.discard(payload["batch"])
+        return _fake_row(payload)
+    monkeypatch.setattr(memory, "_launch", FakeLauncher(answer))
+    rows = memory.run(_args(tmp_path, batches=[8, 64, 128], jobs=3))
+    assert most[0] > 1
+    assert [r["batch"] for r in rows] == [8] * 4 + [64] * 4 + [128] * 4
+
+
+# --- the child's function, its CUDA calls stood in for -------------------------------------------------------
+
+class Tiny(nn.Module):
+    def __init__(self, warn: str | None = None):
+        super().__init__()
+        self.body, self.warn = nn.Sequential(nn.Flatten(), nn.Linear(12, 10)), warn
+
+    def forward(self, x):
+        if self.warn:
+            warnings.warn(self.warn)
+        return self.body(x)
+
+
+def _tiny_setup(warn: str | None = None):
+    def setup(name, batch_size):
+        torch.manual_seed(0)
+        batch = (torch.randn(batch_size, 3, 2, 2), torch.randint(0, 10, (batch_size,)))
+        return Tiny(warn), batch, nn.CrossEntropyLoss(), lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)
+    return setup
+
+
+def _payload(side: str, who: str, streams, limit_bytes=None, path="unfused", network="googlenet") -> dict:
+    return dict(network=network, batch=2, path=path, side=side, who=who, streams=streams,
+                limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3)
+
+
+@pytest.fixture
+def cpu_child(monkeypatch):
+    """The child's CUDA calls stood in for, the graph recipes by the plain loop, the networks by a tiny model."""
+    calls = {"peaks": 0, "reset": 0}
+
+    def peaks():
+        calls["peaks"] += 1
+        return (100 + calls["reset"]) * MB, (200 + calls["reset"]) * MB  # the steady window reads higher
+    monkeypatch.setattr(memory, "_device", lambda: ("Fake GPU", 8000 * MB))
+    monkeypatch.setattr(memory, "_set_limit", lambda f: None)
+    monkeypatch.setattr(memory, "_peaks", peaks)
+    monkeypatch.setattr(memory, "_held", lambda: (50 * MB, 150 * MB))
+    monkeypatch.setattr(memory, "_reset_peaks", lambda: calls.__setitem__("reset", calls["reset"] + 1))
+    monkeypatch.setattr(memory, "_ms_per_step", lambda fn, steps: [fn() for _ in range(steps)] and 1.5)
+    for recipe in memory.RECIPE_OF_PATH.values():
+        monkeypatch.setitem(peers.RECIPES, recipe, peers.eager_step)
+    monkeypatch.setattr(memory, "setup", _tiny_setup())
+    return monkeypatch
+
+
+def test_a_recipe_row_has_the_peaks_times_and_meta(cpu_child):
+    row = memory.child(_payload("recipe", "recipe", None, limit_bytes=1000 * MB))
+    assert row["outcome"] == "fit" and row["recipe"] == "eager_graph" and row["ms_per_step"] == 1.5
+    assert (row["setup_peak_allocated_mb"], row["setup_peak_reserved_mb"]) == (100, 200)
+    assert (row["steady_peak_allocated_mb"], row["steady_peak_reserved_mb"]) == (101, 201)
+    assert (row["peak_allocated_mb"], row["peak_reserved_mb"]) == (101, 201)
+    assert (row["held_allocated_mb"], row["held_reserved_mb"]) == (50, 150)
+    assert row["gpu"] == "Fake GPU" and row["torch"] == torch.__version__ and len(row["date"]) == 10
+
+
+def test_concurs_warning_that_it_ran_eagerly_is_a_fallback_and_others_warnings_are_not(cpu_child):
+    # on the CPU concur's captured step runs its plan eagerly, and says so: the fallback case, for real
+    row = memory.child(_payload("concur_streams1", "concur", 1))
+    assert row["outcome"] == "fallback", row
+    assert any("runs eagerly" in t for t in row["fallback_warnings"])
+    assert row["streams"] is None and row["graph_streams"] == []  # nothing captured
+    cpu_child.setattr(memory, "setup", _tiny_setup(warn="a model's own warning: falling back to float32"))
+    row = memory.child(_payload("recipe", "recipe", None))
+    assert row["outcome"] == "fit" and row["fallback_warnings"] == []
+    assert row["warnings"] == ["a model's own warning: falling back to float32"]  # once, though every step warned
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB\nmore"),
+                                   RuntimeError("backend compiler failed")])
+def test_an_exception_in_the_child_is_its_outcome_and_an_oom_is_counted_as_one(cpu_child, error):
+    def failing(*a):
+        if isinstance(error, torch.OutOfMemoryError):
+            raise error
+        raise error from torch.OutOfMemoryError("CUDA out of memory")  # inductor wraps what it hits
+    cpu_child.setattr(memory, "setup", failing)
+    row = memory.child(_payload("concur", "concur", None))
+    assert row["outcome"] == "error" and row["oom"] is True
+    assert row["error_type"] == type(error).__name__
+    assert row["error"] == str(error).splitlines()[0] and row["peak_reserved_mb"] == 200
+
+
+def test_a_timm_network_without_timm_is_an_error_row(cpu_child):
+    cpu_child.setattr(memory, "setup", step_gap.setup)
+    cpu_child.setitem(sys.modules, "timm", None)  # import timm now fails as if it were not installed
+    row = memory.child(_payload("recipe_alone", "recipe", None, network="hrnet_w18_small"))
+    assert (row["outcome"], row["error_type"]) == ("error", "ModuleNotFoundError")
+    assert row["error"].startswith("timm not installed")
+
+
+def test_streams_kept_come_from_the_state_where_the_step_has_one_else_from_its_graphs():
+    graphs = {"a": types.SimpleNamespace(streams=4), "b": types.SimpleNamespace(streams=4)}
+    plain = types.SimpleNamespace(graphs=graphs)
+    assert memory._streams_kept(plain)["streams"] == 4 and "state" not in memory._streams_kept(plain)
+    state = types.SimpleNamespace(streams=1, reason="one stream was faster", model=nn.Linear(2, 2))
+    kept = memory._streams_kept(types.SimpleNamespace(graphs=graphs, state=state))
+    assert kept["streams"] == 1 and kept["graph_streams"] == [4] and "faster" in kept["state"]
+    assert kept["state_vars"]["reason"] == "one stream was faster" and kept["state_vars"]["model"].startswith("Linear")
+    mixed = {"a": types.SimpleNamespace(streams=4), "b": types.SimpleNamespace(streams=1)}
+    assert memory._streams_kept(types.SimpleNamespace(graphs=mixed))["streams"] == [1, 4]
+
+
+def test_the_jsonl_has_a_row_per_run_with_every_field(tmp_path, cpu_child):
+    # the children run this process's child function: the rows are what a real child writes
+    def answer(payload):
+        return memory.child(payload)
+    cpu_child.setattr(memory, "_launch", FakeLauncher(answer))
+    memory.run(_args(tmp_path, paths=["unfused"]))
+    rows = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    assert [r["side"] for r in rows] == ["recipe_alone", "recipe", "concur", "concur_streams1"]
+    fields = {"network", "batch", "path", "side", "who", "streams_requested", "limit", "outcome", "oom", "warnings",
+              "fallback_warnings", "ms_per_step", "peak_allocated_mb", "peak_reserved_mb", "setup_peak_allocated_mb",
+              "setup_peak_reserved_mb", "steady_peak_allocated_mb", "steady_peak_reserved_mb", "torch", "gpu",
+              "date", "concur_loaded", "setup_calls"}
+    for row in rows:
+        assert fields <= set(row), fields - set(row)
+    assert all("streams" in r and "graph_streams" in r for r in rows if r["who"] == "concur")
+    assert all("fraction" in r for r in rows[1:]) and "fraction" not in rows[0]
+
+
+# --- the table and the OOM count ---------------------------------------------------------------------------
+
+def _table_rows() -> list[dict]:
+    def row(side, who, **fields):
+        p = _payload(side, who, None, path="fused")
+        return dict(memory.base_row(p), **fields)
+    return [row("recipe_alone", "recipe", outcome="fit", oom=False, peak_allocated_mb=1000.0,
+                peak_reserved_mb=2000.0, ms_per_step=3.0),
+            row("recipe", "recipe", outcome="fit", oom=False, peak_allocated_mb=1000.0, peak_reserved_mb=2100.0,
+                ms_per_step=3.1),
+            row("concur", "concur", outcome="error", oom=True, error_type="OutOfMemoryError"),
+            row("concur_streams1", "concur", outcome="fallback", oom=False, streams=1, peak_allocated_mb=900.0,
+                peak_reserved_mb=1900.0, ms_per_step=2.5)]
+
+
+def test_the_table_shows_each_side_against_the_recipe_alone():
+    lines = memory.table(_table_rows())
+    assert lines[0] == ("| network | batch | path | recipe alone: peak reserved MB | recipe | concur "
+                        "| concur_streams1 |")
+    assert lines[2] == ("| googlenet | 2 | fused | 2000 | fit 3.10 ms 1.00/1.05 | OOM "
+                        "| fallback s1 2.50 ms 0.90/0.95 |")
+
+
+def test_the_last_line_counts_the_out_of_memory_errors():
+    rows = _table_rows()
+    rows.append(dict(rows[2], network="resnet50", error_type="RuntimeError", oom=True))
+    rows.append(dict(rows[1], network="resnet50", outcome="skipped", oom=False))
+    last = memory.table(rows)[-1]
+    assert last == ("OutOfMemoryError in 2 of 5 runs: recipe_alone 0/1, recipe 0/1, concur 2/2, "
+                    "concur_streams1 0/1")
+
+
+# --- the recipe's processes load nothing of concur ------------------------------------------------------------
+
+_RECIPE_CHILD = """
+import json, sys
+import torch, torch.nn as nn
+from experiments import memory, peers
+MB = 2**20
+memory._device = lambda: ("Fake GPU", 8000 * MB)
+memory._set_limit = lambda f: None
+memory._peaks = memory._held = lambda: (MB, MB)
+memory._reset_peaks = lambda: None
+memory._ms_per_step = lambda fn, steps: [fn() for _ in range(steps)] and 1.0
+memory.setup = lambda name, b: (nn.Sequential(nn.Flatten(), nn.Linear(12, 10)), (torch.randn(b, 3, 2, 2),
+    torch.randint(0, 10, (b,))), nn.CrossEntropyLoss(), lambda ps: torch.optim.SGD(ps, lr=0.01))
+for name in memory.RECIPE_OF_PATH.values():
+    peers.RECIPES[name] = peers.eager_step  # the plain loop: what runs on the CPU
+payload = json.loads(sys.argv[1])
+row = memory.child(payload)
+print(json.dumps([row["outcome"], row["concur_loaded"],
+                  sorted(m for m in sys.modules if m == "concur" or m.startswith("concur."))]))
+"""
+
+
+@pytest.mark.parametrize("who", ["recipe", "concur"])
+def test_the_recipes_child_loads_nothing_of_concur(who):
+    """In a fresh interpreter, the child's whole path for the recipe, its CUDA calls stood in for; concur's side
+    shows that the check sees concur where it is loaded."""
+    payload = _payload(who, who, 1 if who == "concur" else None, limit_bytes=MB)
+    env = dict(os.environ, PYTHONPATH=str(memory.REPO))
+    out = subprocess.run([sys.executable, "-c", _RECIPE_CHILD, json.dumps(payload)], capture_output=True,
+                         text=True, env=env, cwd=memory.REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    outcome, loaded, modules = json.loads(out.stdout.strip().splitlines()[-1])
+    if who == "recipe":
+        assert (outcome, loaded, modules) == ("fit", False, [])
+    else:
+        assert outcome == "fallback" and loaded and "concur" in modules
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the child would run the real network")
+def test_a_real_child_runs_from_any_folder_and_its_row_comes_back(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    row = memory.run_child(_payload("recipe_alone", "recipe", None), timeout_s=300)
+    assert row["error_type"] == "RuntimeError" and "needs a CUDA device" in row["error"]  # a row, not a crash
+    assert row["exit_code"] == 0 and row["concur_loaded"] is False
