@@ -640,3 +640,12 @@ def test_turns_time_back_to_back_steps_and_waited_steps_apart(monkeypatch):
     timing.time_in_turns(prepared, {"rounds": 3, "repeats": 12})
     assert [p.row["ms"] for p in prepared] == [3.0, 5.0]
     assert [p.row["synced_ms"] for p in prepared] == [10.0, 10.0]
+
+
+def test_the_sweeps_timing_does_not_import_its_measure():
+    """timing.py steps what measure.py prepares: the import runs one way (measure -> timing), never back."""
+    import ast
+
+    source = (Path(__file__).resolve().parents[1] / "experiments" / "sweep" / "timing.py").read_text()
+    imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+    assert "experiments.sweep.measure" not in imported

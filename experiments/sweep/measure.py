@@ -11,7 +11,6 @@ import os
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,20 +20,7 @@ from experiments.sweep.configs import (CHANNELS_LAST_PRECISIONS, COMPILING_MODES
                                        FUSED_MODES, FUSED_OPTIONS, PEER_MODES, config_key, file_stem, mode_kind)
 from experiments.sweep.memory import FIELDS as MEMORY_FIELDS, MemoryPeaks
 from experiments.sweep.rows import run_meta
-from experiments.sweep.timing import time_in_turns, time_steps
-
-
-@dataclass
-class PreparedMode:
-    """One mode of one configuration, set up (compiled or captured) and ready to step."""
-
-    row: dict
-    step_fn: Callable[[], None]
-    train_step: Any  # concur's TrainStep, or None for the plain-loop and peer modes
-    model: Any
-    x: Any
-    cuda: bool
-    memory: MemoryPeaks = field(default_factory=lambda: MemoryPeaks(cuda=False))
+from experiments.sweep.timing import PreparedMode, time_in_turns, time_steps
 
 
 def _streams_arg(mode: str) -> int | str:
