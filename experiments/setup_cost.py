@@ -52,9 +52,9 @@ def _one(args: argparse.Namespace, phases: dict[str, float] | None = None) -> tu
     import torch
 
     import concur
-    from experiments.step_gap import setup
+    from experiments.sweep_models import cuda_setup
 
-    model, batch, loss_fn, opt = setup(args.model, args.batch)
+    model, batch, loss_fn, opt = cuda_setup(args.model, args.batch)
     streams = args.streams if args.streams == "auto" else int(args.streams)
     torch.cuda.synchronize()
     start = time.perf_counter()

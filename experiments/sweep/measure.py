@@ -127,7 +127,7 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
 
             peer = peers.RECIPES[kind.removeprefix("peer_")](model, loss_fn, opt, (x, y), amp_dtype)
             return (lambda: peer(x, y)), None
-        # every concur path goes through train_step, as experiments/bench_train.py does; serial_graph and
+        # every concur path goes through train_step, as a user's does; serial_graph and
         # compile_graph are concur's own step on one stream, not PyTorch's recipe (the peer_* modes are)
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",

@@ -1,24 +1,22 @@
 #!/usr/bin/env bash
-# Issue 29's zoo on the device: concur's defaults against PyTorch's own recipes (experiments/peers.py) on
-# networks nobody tuned concur for, at batch 32, bf16 autocast + channels-last, SGD momentum. Each model is
-# one child that compiles the peer and concur's mode side by side with the other children and times the two
-# in alternating rounds under one GPU lock (as bench28.sh). Each concur mode measures its decisions with a
-# cold cache, kept in RUN_DIR/decisions/<config>/ for experiments/calibrate.py.
-#   bash experiments/bench29.sh RUN_DIR PART [NETWORK ...]   (PART below; each within ~9 minutes on one H100)
+# The zoo on the device: concur's defaults against PyTorch's own recipes (experiments/peers.py) on networks
+# nobody tuned concur for, at batch 32, bf16 autocast + channels-last, SGD momentum. Each model is one child that
+# compiles the recipe and concur's mode side by side with the other children and times the two in alternating
+# rounds under one GPU lock (as recipes.sh). Each concur mode measures its decisions with a cold cache, kept in
+# RUN_DIR/decisions/<config>/ for experiments/calibrate.py.
+#   bash experiments/zoo.sh RUN_DIR PART [NETWORK ...]   (PART below; each within ~9 minutes on one H100)
 #   z1 z2 z3   fused default (train_step(compile=True), 4 streams) against peer_compile_graph, a third of the
 #              timm zoo each
 #   z4         the same on torchvision's GoogLeNet, Inception-v3 and ResNet-50
-#   z23        z2 and z3 side by side over one run directory (one GPU lock): 15 networks in one call. More
-#              neighbours compile beside each decision's timing; a network it leaves below 0.99x is timed again
-#              alone, with decisions of its own, while the deadline allows
+#   z23        z2 and z3 side by side over one run directory (one GPU lock): 15 networks in one call
 #   u1 u2      unfused default (train_step, 4 streams) against peer_eager_graph, half of the zoo each
 #   alone MODEL...           the named networks' fused default timed alone, one child at a time, as the pass below
 #   alone-unfused MODEL...   the same unfused
-# Networks below 0.99x of the recipe are timed again alone while the deadline allows (RUN_DIR/alone/: neighbours
-# compiling on the host slowed some steps of the zoo's run). Packs RUN_DIR to $OUT/bench.tgz, with RUN_DIR/zoo_table.md
-# and RUN_DIR/decisions.jsonl (experiments/zoo_decisions.py).
+# Networks below 0.99x of the recipe are timed again alone while the deadline allows (RUN_DIR/alone/): neighbours
+# compiling on the host disturb a step's timing. Logs go to $OUT (default RUN_DIR-out); RUN_DIR is packed to
+# $OUT/bench.tgz, with RUN_DIR/zoo_table.md and RUN_DIR/decisions.jsonl (experiments/zoo_decisions.py).
 set -uo pipefail
-dir=$1; part=$2; shift 2; OUT=${OUT:-/tmp/concur_out}; mkdir -p "$OUT" "$dir"
+dir=$1; part=$2; shift 2; OUT=${OUT:-$dir-out}; mkdir -p "$OUT" "$dir"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 TORCHINDUCTOR_COMPILE_THREADS=2
 left=$(( ${DEADLINE:-570} - SECONDS - 30 ))
 # multi-branch CNNs, plain CNNs, mobile nets and transformers: 22 timm networks

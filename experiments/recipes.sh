@@ -1,35 +1,33 @@
 #!/usr/bin/env bash
-# Issue 28's benchmark on the device: concur against PyTorch's own recipes, written without concur in
-# experiments/peers.py (the sweep's peer_* modes), each set timed in turns in one child, with the memory
-# peaks (setup and steady, allocated and reserved) beside the times. As bench22.sh: several sweeps side by
-# side over one run directory, compiling in parallel and taking turns to time (one GPU lock).
-#   bash experiments/bench28.sh RUN_DIR PART [PART ...]   (PART: a to j, below; each within ~9 minutes on one H100)
-# Several parts run side by side, their sweeps taking turns to time under the one lock (g and h together: 400 s;
-# d and e 520 s; a alone 280 s, c alone 340 s; i and j ran out of time before i's ResNet-50). Refused together,
-# for memory: a with c, e with f, f with i.
-# Packs RUN_DIR to $OUT/bench.tgz. RUN_DIR/summary.md holds the table against the peer.
+# Speed and memory against PyTorch's recipes on the device: concur's defaults against the recipes written
+# without concur in experiments/peers.py (the sweep's peer_* modes), each set timed in turns in one child, with
+# the memory peaks (setup and steady, allocated and reserved) beside the times. Several sweeps run side by side
+# over one run directory, compiling in parallel and taking turns to time (one GPU lock).
+#   bash experiments/recipes.sh RUN_DIR PART [PART ...]   (PART: a to j, below; each within ~9 minutes on one H100)
+# Logs go to $OUT (default RUN_DIR-out); RUN_DIR is packed to $OUT/bench.tgz and RUN_DIR/summary.md holds the table
+# against the recipe. Parts that hold too much memory side by side are refused together (below).
 #   a  bf16  googlenet inception_v3 resnet50, b8 b64: peer_compile_graph, compile_graph, fused:4
 #   b  bf16  the same points unfused: peer_eager_graph, serial_graph, concur_graph:4
 #   c  fp32  part a
 #   d  bf16  timm hrnet_w18_small, dla34, inception_v4 at b8: part a's modes. Inception-v4's compile_graph
 #            runs in a child of its own (three of its compiles in one child take over 9 minutes), so its
-#            ratio to the peer is not timed in turns; fused:4 and the peer are
+#            ratio to the recipe is not timed in turns; fused:4 and the recipe are
 #   e  bf16  torchvision:vit_b_16 b32 b64, and the three CNNs of part a at b32: part a's modes
-#   f  bf16  the three CNNs at b128: part a's modes (apart from e: together they would not fit in 80 GB)
-#   g  bf16  part d's networks at b64 (issue 28 asks for them at b8 and b64), Inception-v4 as in part d
+#   f  bf16  the three CNNs at b128: part a's modes
+#   g  bf16  part d's networks at b64, Inception-v4 as in part d
 #   h  fp32  the three CNNs at b32 (part c has b8 and b64): part a's modes
 #   i  fp32  the three CNNs at b128, on their own as part f
-#   j  bf16  timm hrnet_w18_small and dla34 at b8 unfused (issue 28's unfused HRNet b8 target): part b's modes
-# Every --together set names the peer first: it compiles cold, as a user's first run would; the concur
+#   j  bf16  timm hrnet_w18_small and dla34 at b8 unfused: part b's modes
+# Every --together set names the recipe first: it compiles cold, as a user's first run would; the concur
 # modes after it reuse its caches (their rows say so), so the summary gives no setup ratio for them.
 set -uo pipefail
-dir=$1; shift; parts=("$@"); OUT=${OUT:-/tmp/concur_out}
+dir=$1; shift; parts=("$@"); OUT=${OUT:-$dir-out}
 [ ${#parts[@]} -gt 0 ] || { echo "name a part: a to j" >&2; exit 2; }
 for part in "${parts[@]}"; do  # every part known before any starts: the case below has one branch each
   [[ $part =~ ^[a-j]$ ]] || { echo "unknown part '$part': a to j" >&2; exit 2; }
 done
-# Pairs whose sweeps do not fit in one H100's 80 GB side by side: a and c ran out of memory in 12 of 36 rows
-# (twelve compile workers, each child holding its models); e and f, f and i hold b128 or ViT activations.
+# Pairs whose sweeps do not fit in one H100's 80 GB side by side: a and c hold twelve compile workers, each child
+# holding its models; e and f, f and i hold b128 or ViT activations.
 for pair in "a c" "e f" "f i"; do
   read -r x y <<< "$pair"
   [[ " ${parts[*]} " == *" $x "* && " ${parts[*]} " == *" $y "* ]] && {
