@@ -96,7 +96,7 @@ def test_gpu_check_needs_an_output_folder_and_starts_nothing_without_one(tmp_pat
     assert rc == 2 and calls == [] and "OUT" in err and "--out" in err
 
 
-@pytest.mark.parametrize("args", [("memory", "mem28"), ()], ids=["unknown step", "no step"])
+@pytest.mark.parametrize("args", [("memory", "no-such-step"), ()], ids=["unknown step", "no step"])
 def test_gpu_check_refuses_a_bad_step_before_starting_any(tmp_path, args):
     rc, calls, err = run_script(tmp_path, "gpu_check.sh", *args, run_dir=False)
     assert rc == 2 and calls == [] and err

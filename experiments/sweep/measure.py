@@ -150,8 +150,9 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
     if getattr(step, "deciding", False):
         # an unfused step times its programs on its first calls (concur.training.trial), alone on the GPU: no other
         # child's compile, capture or warm-up beside it (``turn``, held shared while setting up), as a user's
-        # process would run them; on 2026-11-27 GoogLeNet b64 timed beside other children measured its 4-stream
-        # program at 22.9 ms against 10.4 alone, and dropped it. The warm-up below captures the chosen program.
+        # process would run them: beside other children a program can time at twice its own time (GoogLeNet b64's
+        # 4-stream program, 22.9 ms against 10.4 alone) and a faster program be dropped. The warm-up below
+        # captures the chosen program.
         if turn is not None:
             turn.exclusive()
         for _ in range(200):
