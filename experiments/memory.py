@@ -29,7 +29,7 @@ programs in setup, not reading an earlier run's decisions. The limit is
 ``torch.cuda.set_per_process_memory_fraction`` of the device's total memory,
 set before anything is allocated; the allocator keeps reserved memory under
 it, freeing its cached blocks before it raises OutOfMemoryError. A run builds
-the model (``experiments/step_gap.py``'s ``setup``: seeded, channels-last, SGD
+the model (``experiments/sweep_models.py``'s ``cuda_setup``: seeded, channels-last, SGD
 with momentum 0.9, cross-entropy; forward and loss under bf16 autocast) and
 its step, sets the step up (calls it once; an unfused concur step keeps being
 called while ``step.deciding``, those calls timing its programs; then one call
@@ -68,7 +68,7 @@ from typing import Any, Callable
 import torch
 
 from experiments import peers
-from experiments.step_gap import setup
+from experiments.sweep_models import cuda_setup as setup
 
 REPO = Path(__file__).resolve().parents[1]
 NETWORKS = ("googlenet", "inception_v3", "resnet50", "hrnet_w18_small")

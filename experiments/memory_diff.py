@@ -18,13 +18,14 @@ import argparse
 import collections
 import json
 import os
+import sys
 import tempfile
 from typing import Iterator
 
 import torch
 
 from experiments import peers
-from experiments.step_gap import setup
+from experiments.sweep_models import cuda_setup
 
 _OURS = ("/concur/", "/experiments/", "/torchvision/models/")
 
@@ -107,8 +108,9 @@ def _by_site(live: dict) -> list[tuple[str, float, int]]:
     return sorted(((k, v[0] / 2**20, v[1]) for k, v in groups.items()), key=lambda r: -r[1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: the model, its batch, which side (``--who``), and where the row goes."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--compile", action="store_true")
@@ -117,7 +119,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-step-decision", action="store_true",
                     help="leave out train_step's decision over the whole step (concur.training.step_streams)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("memory_diff.py reads the CUDA caching allocator's history: it needs a GPU")
     if args.who == "concur" and not os.environ.get("CONCUR_CACHE_DIR"):
         # a first run's setup: its decisions timed, not read back from what an earlier process (a GPU test beside
         # this one, a run before) stored in the shared cache
@@ -125,7 +133,7 @@ def main() -> None:
     if args.no_step_decision:
         import concur.training.step as step_module
         step_module.decide_step_streams = lambda *a, **k: None
-    model, batch, loss_fn, opt = setup(args.model, args.batch)
+    model, batch, loss_fn, opt = cuda_setup(args.model, args.batch)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

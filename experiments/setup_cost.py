@@ -16,7 +16,7 @@ allocator's cache first (``torch.cuda.graph`` does by default).
 ``--profile`` builds one step in this process under cProfile and prints the
 calls that took the most time (cumulative): where setup's seconds go.
 
-Issue 29 allows the measurements at most 10% of setup time. Each side runs in
+The measurements are meant to cost at most 10% of setup time. Each side runs in
 a process of its own (inductor's in-process caches would favour the second),
 in the order off, on, off, on: the first pair warms inductor's on-disk cache,
 so the second pair compares setups that differ only by the timing (a warm
@@ -52,9 +52,9 @@ def _one(args: argparse.Namespace, phases: dict[str, float] | None = None) -> tu
     import torch
 
     import concur
-    from experiments.step_gap import setup
+    from experiments.sweep_models import cuda_setup
 
-    model, batch, loss_fn, opt = setup(args.model, args.batch)
+    model, batch, loss_fn, opt = cuda_setup(args.model, args.batch)
     streams = args.streams if args.streams == "auto" else int(args.streams)
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Models of the experiment sweep, by name: each builder returns ``(model, image_size)``.
 
-    googlenet, inception_v3, resnet50   torchvision, as in experiments/bench_train.py
+    googlenet, inception_v3, resnet50   torchvision, without auxiliary heads or their initialisation
     branchy:<branches>x<width>          synthetic Inception-like net: ``branches`` (1..16) parallel
                                         conv branches of ``width`` channels per block
     nascell[:<width>]                   NASNet/DARTS-style cells with a fixed genotype (no
@@ -26,7 +26,35 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from experiments.bench_train import MODELS as TORCHVISION_MODELS
+
+
+def _torchvision(name: str, **kwargs) -> nn.Module:
+    import torchvision  # here, not at the top: the synthetic nets need no torchvision
+
+    return getattr(torchvision.models, name)(weights=None, **kwargs)
+
+
+# no auxiliary heads and no custom initialisation: the step times the network, not torchvision's extras
+TORCHVISION_MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "googlenet": (lambda: _torchvision("googlenet", aux_logits=False, init_weights=False), 224),
+    "inception_v3": (lambda: _torchvision("inception_v3", aux_logits=False, init_weights=False), 299),
+    "resnet50": (lambda: _torchvision("resnet50"), 224),
+}
+
+
+def _timm(name: str) -> nn.Module:
+    """A randomly initialised timm model, built without concur (the recipe's processes must not load it)."""
+    try:
+        import timm
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"timm not installed: {name} is a timm model (pip install timm)") from exc
+    return timm.create_model(name, pretrained=False)
+
+
+# timm networks the memory benchmark names bare, at their input size
+TIMM_MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "hrnet_w18_small": (lambda: _timm("hrnet_w18_small"), 224),
+}
 
 NUM_CLASSES = 1000  # the same head as torchvision's, so one loss and one target shape fit all
 
@@ -155,8 +183,8 @@ def parse_branchy(name: str) -> tuple[int, int]:
 
 def build(name: str) -> tuple[nn.Module, int]:
     """Return ``(model, image_size)`` for a sweep model name (see the module docstring)."""
-    if name in TORCHVISION_MODELS:
-        make, size = TORCHVISION_MODELS[name]
+    if name in TORCHVISION_MODELS or name in TIMM_MODELS:
+        make, size = {**TORCHVISION_MODELS, **TIMM_MODELS}[name]
         return make(), size
     if name.startswith("branchy:"):
         branches, width = parse_branchy(name)
@@ -177,3 +205,15 @@ BUILDERS: dict[str, Callable[[], tuple[nn.Module, int]]] = {
     name: (lambda n=name: build(n)) for name in [*TORCHVISION_MODELS, "branchy:8x64", "branchy:4x128", "nascell"]
 }
 DEFAULT_MODELS = list(BUILDERS)
+
+
+def cuda_setup(name: str, batch_size: int) -> tuple[nn.Module, tuple, nn.Module, Callable]:
+    """A seeded channels-last model on the GPU, a batch, the loss and the optimizer factory: the common ground of
+    the one-process tools (memory_diff.py, setup_cost.py), so both sides of a comparison start alike."""
+    torch.manual_seed(0)
+    model, size = build(name)
+    model = model.cuda().to(memory_format=torch.channels_last).train()
+    batch = (torch.randn(batch_size, 3, size, size, device="cuda").to(memory_format=torch.channels_last),
+             torch.randint(0, NUM_CLASSES, (batch_size,), device="cuda"))
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    return model, batch, nn.CrossEntropyLoss(), optimizer

@@ -2,7 +2,7 @@
 
     python3 -m experiments.zoo_decisions RUN_DIR [--jsonl OUT.jsonl]
 
-RUN_DIR is a run of ``experiments/bench29.sh`` (the sweep's ``results.jsonl``,
+RUN_DIR is a run of ``experiments/zoo.sh`` (the sweep's ``results.jsonl``,
 and ``decisions/<configuration>/decisions/*.json``, one cache per fused
 configuration). Prints one markdown row per network and route, slowest first:
 the route (fused: ``fused:4`` against compile + graph; unfused: ``concur_graph:4``
@@ -93,13 +93,13 @@ def table(run: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", type=Path, help="a bench29.sh run directory")
+    ap.add_argument("run", type=Path, help="a zoo.sh run directory")
     ap.add_argument("--jsonl", type=Path, help="write every decision here, one line each")
     ap.add_argument("--below", type=float, help="print only the models (one line each: model route) that ran "
                                                 "below this ratio to the recipe, for a run alone")
     args = ap.parse_args(argv)
     if args.below is not None:
-        for model, route in below(args.run, args.below):  # none below: no line (bench29.sh reads one per model)
+        for model, route in below(args.run, args.below):  # none below: no line (zoo.sh reads one per model)
             print(f"{model} {route}")
         return 0
     print("\n".join(table(args.run)))

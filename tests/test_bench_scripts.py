@@ -1,5 +1,5 @@
-"""The device benchmarks' shell scripts (experiments/bench28.sh, bench29.sh) run with python3 and nvidia-smi faked:
-which sweeps each part starts, and which arguments they refuse before starting anything."""
+"""The device machine's shell scripts (experiments/recipes.sh, zoo.sh, gpu_check.sh) run with python3 and nvidia-smi
+faked: which sweeps and tools each part or step starts, and which arguments they refuse before starting anything."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ta
                                 reason="needs bash and tar")
 
 
-def run_script(tmp_path: Path, script: str, *args: str) -> tuple[int, list[str], str]:
-    """Run ``script`` with a python3 that logs its arguments and an nvidia-smi that prints a name; return the exit
-    status, the python3 command lines, and stderr."""
+def run_script(tmp_path: Path, script: str, *args: str, run_dir: bool = True,
+               out: bool = True) -> tuple[int, list[str], str]:
+    """Run ``script`` (given ``tmp_path/run`` first where ``run_dir``, and ``$OUT`` where ``out``) with a python3 that
+    logs its arguments and an nvidia-smi that prints a name; return the exit status, the python3 command lines, and
+    stderr."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "python3.log"
@@ -26,8 +28,12 @@ def run_script(tmp_path: Path, script: str, *args: str) -> tuple[int, list[str],
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho fake\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
-    done = subprocess.run(["bash", str(EXPERIMENTS / script), str(tmp_path / "run"), *args], env=env, cwd=tmp_path,
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("OUT", None)
+    if out:
+        env["OUT"] = str(tmp_path / "out")
+    first = [str(tmp_path / "run")] if run_dir else []
+    done = subprocess.run(["bash", str(EXPERIMENTS / script), *first, *args], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     calls = log.read_text().splitlines() if log.exists() else []
     return done.returncode, calls, done.stderr
@@ -37,8 +43,8 @@ def sweeps(calls: list[str]) -> list[str]:
     return [c for c in calls if c.startswith("-m experiments.sweep") and "--report-only" not in c]
 
 
-def test_bench28_runs_several_parts_side_by_side_over_one_run_directory(tmp_path):
-    rc, calls, _ = run_script(tmp_path, "bench28.sh", "g", "h", "j")
+def test_recipes_runs_several_parts_side_by_side_over_one_run_directory(tmp_path):
+    rc, calls, _ = run_script(tmp_path, "recipes.sh", "g", "h", "j")
     assert rc == 0
     started = sweeps(calls)
     # g: Inception-v4 on its own and HRNet + DLA-34 at b64; h: the three CNNs in fp32 at b32; j: HRNet + DLA-34 unfused
@@ -51,30 +57,65 @@ def test_bench28_runs_several_parts_side_by_side_over_one_run_directory(tmp_path
 
 
 @pytest.mark.parametrize("args", [("a", "k"), ()], ids=["unknown part", "no part"])
-def test_bench28_refuses_a_bad_part_before_starting_any(tmp_path, args):
-    rc, calls, err = run_script(tmp_path, "bench28.sh", *args)
+def test_recipes_refuses_a_bad_part_before_starting_any(tmp_path, args):
+    rc, calls, err = run_script(tmp_path, "recipes.sh", *args)
     assert rc == 2 and calls == [] and "a to j" in err
 
 
 @pytest.mark.parametrize("args", [("a", "j", "c"), ("f", "e"), ("i", "f")])
-def test_bench28_refuses_parts_that_do_not_fit_side_by_side(tmp_path, args):
-    """a and c side by side ran out of GPU memory in 12 of their 36 rows on an H100 (2026-11-27)."""
-    rc, calls, err = run_script(tmp_path, "bench28.sh", *args)
+def test_recipes_refuses_parts_that_do_not_fit_side_by_side(tmp_path, args):
+    """a and c side by side run out of one H100's memory (twelve compile workers, each child holding its models)."""
+    rc, calls, err = run_script(tmp_path, "recipes.sh", *args)
     assert rc == 2 and calls == [] and "do not fit" in err
 
 
-def test_bench29_times_named_networks_alone(tmp_path):
-    rc, calls, _ = run_script(tmp_path, "bench29.sh", "alone", "timm:mixnet_s", "timm:dla34")
+def test_zoo_times_named_networks_alone(tmp_path):
+    rc, calls, _ = run_script(tmp_path, "zoo.sh", "alone", "timm:mixnet_s", "timm:dla34")
     assert rc == 0
     started = sweeps(calls)
     assert [c.split("--models ")[1].split()[0] for c in started] == ["timm:mixnet_s", "timm:dla34"]
     assert all(f"--out {tmp_path / 'run' / 'alone'} " in c and "--compile-jobs 1" in c
                and "--together peer_compile_graph+compile_graph+fused:4" in c for c in started)
-    rc, calls, _ = run_script(tmp_path, "bench29.sh", "alone-unfused", "timm:dla34")
+    rc, calls, _ = run_script(tmp_path, "zoo.sh", "alone-unfused", "timm:dla34")
     assert rc == 0 and "--together peer_eager_graph+serial_graph+concur_graph:4" in sweeps(calls)[-1]
 
 
 @pytest.mark.parametrize("args", [("alone",), ("z1", "timm:dla34")], ids=["alone, no network", "z1 with one"])
-def test_bench29_refuses_networks_where_a_part_takes_none_and_none_where_it_needs_them(tmp_path, args):
-    rc, calls, err = run_script(tmp_path, "bench29.sh", *args)
+def test_zoo_refuses_networks_where_a_part_takes_none_and_none_where_it_needs_them(tmp_path, args):
+    rc, calls, err = run_script(tmp_path, "zoo.sh", *args)
     assert rc == 2 and sweeps(calls) == [] and err
+
+
+def test_recipes_logs_beside_its_run_directory_without_out(tmp_path):
+    rc, _, _ = run_script(tmp_path, "recipes.sh", "a", out=False)
+    assert rc == 0 and (tmp_path / "run-out" / "bench_a.log").exists()
+
+
+def test_gpu_check_needs_an_output_folder_and_starts_nothing_without_one(tmp_path):
+    rc, calls, err = run_script(tmp_path, "gpu_check.sh", "memory", run_dir=False, out=False)
+    assert rc == 2 and calls == [] and "OUT" in err and "--out" in err
+
+
+@pytest.mark.parametrize("args", [("memory", "no-such-step"), ()], ids=["unknown step", "no step"])
+def test_gpu_check_refuses_a_bad_step_before_starting_any(tmp_path, args):
+    rc, calls, err = run_script(tmp_path, "gpu_check.sh", *args, run_dir=False)
+    assert rc == 2 and calls == [] and err
+
+
+def test_gpu_check_memory_step_writes_under_its_own_folder(tmp_path):
+    rc, calls, _ = run_script(tmp_path, "gpu_check.sh", "--out", str(tmp_path / "given"), "memory", run_dir=False,
+                              out=False)
+    assert rc == 0
+    assert f"-m experiments.memory --out {tmp_path / 'given' / 'memory'}" in calls
+    assert (tmp_path / "given" / "gpu.txt").exists()
+
+
+def test_gpu_check_speed_and_zoo_steps_run_their_scripts_under_out(tmp_path):
+    rc, calls, _ = run_script(tmp_path, "gpu_check.sh", "speed", "zoo", "setup", run_dir=False)
+    assert rc == 0
+    started = sweeps(calls)
+    assert any(f"--out {tmp_path / 'out' / 'speed' / 'run'} " in c and "peer_compile_graph" in c for c in started)
+    assert any(f"--out {tmp_path / 'out' / 'zoo' / 'run'} " in c and "googlenet inception_v3 resnet50" in c
+               for c in started)
+    setups = [c for c in calls if c.startswith("-m experiments.setup_cost")]
+    assert len(setups) == 3 and all(f"--json {tmp_path / 'out' / 'setup' / 'setup.jsonl'}" in c for c in setups)

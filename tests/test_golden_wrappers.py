@@ -49,7 +49,8 @@ from pathlib import Path
 import pytest
 
 from concur.dag.annotate import RNG
-from concur.inductor.wrapper_parse import TESTED_TORCH_VERSIONS, WORLD, KernelProgram, Statement, parse_wrapper_source
+from concur.inductor.wrapper_parse import TESTED_TORCH_VERSIONS, parse_wrapper_source
+from concur.inductor.wrapper_program import WORLD, KernelProgram, Statement
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wrappers"
 GRAPHS = sorted(p.parent for p in FIXTURES.glob("*/*/wrapper.py.gz"))

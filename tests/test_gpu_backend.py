@@ -1,8 +1,8 @@
 """GPU tests of the fused path (torch.compile backend "concur"): training equality and CSAN.
 
-Written for the H100 run; each model compiles for minutes there, so
-``experiments/gpu_check.sh fused-all`` runs every test of this file in its own
-process, side by side. Inductor's numerics differ from eager's, and training
+Each model compiles for minutes on the GPU machine, so ``experiments/gpu_check.sh``
+runs every test of this file in its own process, side by side (its ``tests`` step the
+envelopes, its ``sanitizer`` step the sanitizer runs). Inductor's numerics differ from eager's, and training
 amplifies any difference, so the reference envelope is plain
 ``torch.compile`` (``streams=1``, the same path) against eager: concur's
 launches on streams may add no more than 4x that.

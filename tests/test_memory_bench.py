@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from experiments import memory, peers, step_gap
+from experiments import memory, peers, sweep_models
 
 MB = 2**20
 
@@ -243,7 +243,7 @@ def test_an_exception_in_the_child_is_its_outcome_and_an_oom_is_counted_as_one(c
 
 
 def test_a_timm_network_without_timm_is_an_error_row(cpu_child):
-    cpu_child.setattr(memory, "setup", step_gap.setup)
+    cpu_child.setattr(memory, "setup", sweep_models.cuda_setup)
     cpu_child.setitem(sys.modules, "timm", None)  # import timm now fails as if it were not installed
     row = memory.child(_payload("recipe_alone", "recipe", None, network="hrnet_w18_small"))
     assert (row["outcome"], row["error_type"]) == ("error", "ModuleNotFoundError")

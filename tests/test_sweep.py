@@ -305,26 +305,6 @@ def test_utilization_timelines_and_bound_plots_from_saved_rows(tmp_path, monkeyp
     assert busy[0.0] == 90.0 and busy[1.0] == 60.0
 
 
-def test_scaling_points_pair_measured_and_predicted_speedups(tmp_path, monkeypatch):
-    from experiments import scaling
-
-    rows = [dict(model="branchy:4x32", mode="serial_graph", status="ok", ms=4.0),
-            dict(model="branchy:4x32", mode="concur_graph:4", status="ok", ms=2.0, graph_streams=4,
-                 predicted_speedup=2.5),
-            dict(model="branchy:8x32", mode="serial_graph", status="skipped: no CUDA"),
-            dict(model="branchy:8x32", mode="eager_streams:8", status="ok", ms=9.0, streams_requested=8,
-                 predicted_speedup=3.0),
-            dict(model="googlenet", mode="serial_graph", status="ok", ms=1.0)]
-    points = scaling.scaling_points(rows)
-    assert points == [dict(branches=4, width=32, streams=4, predicted=2.5, measured=2.0),
-                      dict(branches=8, width=32, streams=8, predicted=3.0, measured=None)]
-    shown = _plotted(monkeypatch)
-    path = scaling.plot(points, dict(date="d", gpu="g", driver="v", torch="t"), tmp_path / "scaling.png")
-    assert path == tmp_path / "scaling.png"
-    [figure] = shown
-    assert figure["lines"] == {"width 32: predicted": [(4, 2.5), (8, 3.0)], "width 32: measured": [(4, 2.0)]}
-
-
 def test_compile_jobs_run_children_side_by_side_after_what_must_run_alone(monkeypatch, tmp_path):
     args = types.SimpleNamespace(precisions=["fp32"], models=["m"], batches=[8, 16],
                                  modes=["critical_path", "eager", "compile", "fused:4"], repeats=1, util_seconds=0,
@@ -640,3 +620,13 @@ def test_turns_time_back_to_back_steps_and_waited_steps_apart(monkeypatch):
     timing.time_in_turns(prepared, {"rounds": 3, "repeats": 12})
     assert [p.row["ms"] for p in prepared] == [3.0, 5.0]
     assert [p.row["synced_ms"] for p in prepared] == [10.0, 10.0]
+
+
+def test_the_sweeps_timing_does_not_import_its_measure():
+    """timing.py steps what measure.py prepares: the import runs one way (measure -> timing), never back."""
+    import ast
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[1] / "experiments" / "sweep" / "timing.py").read_text()
+    imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+    assert "experiments.sweep.measure" not in imported

@@ -18,7 +18,8 @@ import torch
 import schedulers
 from concur.inductor.wrapper_build import build_call
 from concur.inductor.wrapper_emit import Emit, _check_names, launch_dag, plan_emission
-from concur.inductor.wrapper_parse import WORLD, parse_wrapper
+from concur.inductor.wrapper_parse import parse_wrapper
+from concur.inductor.wrapper_program import WORLD
 
 WRAPPER = """
 import torch

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from concur.inductor.kernel_signatures import _cpp_param_written, _triton_signature, kernel_signatures
-from concur.inductor.wrapper_parse import WORLD, parse_wrapper_source, source_namespace
 from concur.inductor.wrapper_emit import launch_dag
+from concur.inductor.wrapper_parse import parse_wrapper_source, source_namespace
+from concur.inductor.wrapper_program import WORLD
 
 HANDMADE = Path(__file__).parent / "fixtures" / "wrappers" / "handmade"
 

@@ -60,6 +60,6 @@ def test_below_names_each_network_and_route_under_the_ratio_for_a_run_alone(tmp_
     assert zoo_decisions.below(tmp_path, 1.01) == [("timm:slow", "fused"), ("timm:slow", "unfused")]
     assert zoo_decisions.main([str(tmp_path), "--below", "0.99"]) == 0
     assert capsys.readouterr().out.splitlines() == ["timm:slow fused"]
-    # none below: no output at all, where an empty line would send bench29.sh to time a network named ''
+    # none below: no output at all, where an empty line would send zoo.sh to time a network named ''
     assert zoo_decisions.main([str(tmp_path), "--below", "0.5"]) == 0
     assert capsys.readouterr().out == ""

@@ -2,7 +2,7 @@
 
 :func:`concur.dag.decide.predict` shares the device between concurrent
 kernels by a roofline (:func:`schedulers.simulate_shared`). On networks it was
-never tuned for that is off by 20-50% (issue 29): it counts every overlap the
+never tuned for that can be off by tens of percent: it counts every overlap the
 schedule allows, and some of it never happens. So the calibration keeps the
 prediction's shape and fits how much of it a GPU delivers, in time saved::
 

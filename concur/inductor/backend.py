@@ -65,8 +65,8 @@ class BackendOptions:
     # branches (an 8-branch net's planned backward: ideal 1.04x with reuse, 3.09x without).
     # "ordered" (default): inductor reuses, the launches are scheduled as without reuse, and a reuse
     # is kept only where that schedule orders the two buffers anyway, else it becomes a fresh
-    # allocation; measured on the H100 as fast as False with at most compile + graph's memory
-    # x1.08 (ViT-B/16 b32: 1.05x where False needs 1.21x; experiments/RESULTS.md). False: no reuse.
+    # allocation: the plan keeps all of its concurrency and inductor's reuse wherever that costs none of
+    # it, so it runs as fast as False in less memory. False: no reuse.
     # True: inductor's reuse, chains and all. streams=1 keeps inductor's own setting. On the
     # inductor_streams route inductor itself reuses only within a stream, so "ordered" is its reuse
     # where compat confirms that, and no reuse elsewhere.
@@ -74,8 +74,8 @@ class BackendOptions:
     # "wrapper": inductor compiles each graph whole and concur rewrites its generated call
     # (concur.inductor.wrapper_emit). "inductor_streams": concur stamps its schedule onto the post-grad
     # aten graph and inductor emits the streams and events itself (concur.inductor.stamp;
-    # torch >= 2.13, elsewhere the wrapper route with one warning). Tested on CPU only, never
-    # measured on a GPU (the H100 machine has torch 2.11), hence not the default.
+    # torch >= 2.13, elsewhere the wrapper route with one warning). Tested on CPU only, not yet
+    # measured on a GPU, hence not the default.
     route: str = "wrapper"
     # With streams > 1: split each backward convolution_backward into its input-gradient and
     # weight(+bias)-gradient calls (concur.inductor.weight_grads), so the weight part can leave the
@@ -420,9 +420,9 @@ def backend(streams: int | str = 4, scheduler: str = "critical_path", *, rooflin
     each reuse whose two buffers the schedule orders anyway (same stream,
     or through its events) and gives every other one a fresh allocation;
     a reuse whose new buffer's first kernel reads it (an in-place update)
-    is always kept. On the H100 it is as fast as ``False`` and needs at
-    most 1.08x ``torch.compile``'s peak memory (ViT-B/16 b32: 1.05x, where
-    ``False``, no reuse, needs 1.21x). ``True`` keeps inductor's reuse and
+    is always kept. It keeps every concurrency ``False`` has, so it runs as
+    fast, and every reuse that costs none, so it needs less memory than
+    ``False`` (the figures are in ``experiments/RESULTS.md``). ``True`` keeps inductor's reuse and
     its chains. A graph left on one stream keeps every reuse, exactly as
     ``torch.compile``; the graph records (:attr:`ConcurBackend.graphs`)
     count the reuses kept and made fresh. With ``route="inductor_streams"``

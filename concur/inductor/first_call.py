@@ -4,7 +4,7 @@ Timing inductor's one-stream call against the rewritten one needs inputs.
 At compile time there are only fake ones, and real ones made to match cost
 memory (:func:`concur.dag.measure.real_inputs`): a backward, compiled lazily
 at the first backward call while the forward's saved activations are alive,
-would make a second set of them (issue 28). So where a measurement is wanted,
+would make a second set of them, beyond the recipe's memory. So where a measurement is wanted,
 :func:`concur.inductor.placement.place_kernels` installs a
 :class:`FirstCall` in the graph's place, which times both programs on the
 inputs of the graph's first call, hands the rounds to the one decision point

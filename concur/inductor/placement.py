@@ -40,7 +40,8 @@ from concur.inductor.weight_grads import SplitCall
 from concur.inductor.wrapper_build import build_call
 from concur.inductor.wrapper_emit import (KernelStreamPlan, check_streams, launch_dag, plan_emission,
                                           written_inputs)
-from concur.inductor.wrapper_parse import KernelProgram, Statement, parse_wrapper
+from concur.inductor.wrapper_parse import parse_wrapper
+from concur.inductor.wrapper_program import KernelProgram, Statement
 from concur.inductor.wrapper_split import split_costs, split_weight_gradient_calls
 
 

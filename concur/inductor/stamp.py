@@ -63,9 +63,8 @@ The fx graph is also put in the schedule's issue order, and inductor's
 reordering for peak memory is off while it compiles (``keep_order``): with it
 on, inductor issued a stream-0 consumer before the third branch's matmul.
 
-Not measured on a GPU: the H100 machine has torch 2.11, which lacks this
-machinery (only ``make_fallback`` of the two event ops); 2.13.0, 2.14.1 and
-2.15.0 have it. What is tested, on CPU with each: the stamps, the syncs against a
+Not yet measured on a GPU. torch 2.11 lacks this machinery (only
+``make_fallback`` of the two event ops); 2.13.0, 2.14.1 and 2.15.0 have it. What is tested, on CPU with each: the stamps, the syncs against a
 happens-before oracle, the stream contexts and event order of inductor's CPU
 wrapper and of its CUDA wrapper generated without a GPU (device properties
 faked, extern kernels only), the FX graph cache, and training values

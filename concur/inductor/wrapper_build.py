@@ -19,7 +19,7 @@ import types
 from typing import Any, Callable
 
 from concur.inductor.wrapper_emit import KernelStreamPlan
-from concur.inductor.wrapper_parse import KernelProgram
+from concur.inductor.wrapper_program import KernelProgram
 from concur.streams import StreamRuntime
 
 _counter = itertools.count()

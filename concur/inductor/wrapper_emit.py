@@ -50,8 +50,7 @@ import schedulers
 
 from concur.dag import decide
 from concur.dag.hazards import hazard_edges
-from concur.inductor.wrapper_parse import KernelProgram, Reuse, Statement
-from concur.inductor.wrapper_program import _ALIGNING_COPIES
+from concur.inductor.wrapper_program import _ALIGNING_COPIES, KernelProgram, Reuse, Statement
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def kept_reuses(program: KernelProgram, schedule: schedulers.Schedule) -> frozen
     the old buffer happens before the first launch touching the new one:
     earlier on the same stream, or through the schedule's events, as
     :func:`schedulers.replay`'s vector clocks see it. Every other reuse gets
-    a fresh allocation (:attr:`~concur.inductor.wrapper_parse.Reuse.fresh`).
+    a fresh allocation (:attr:`~concur.inductor.wrapper_program.Reuse.fresh`).
     A reuse whose old buffer no launch touched is never kept: its alias
     could not be placed after the old name is bound.
     """

@@ -44,17 +44,13 @@ import torch
 
 from concur import _torch_compat as compat
 from concur.dag.annotate import RNG
-# KernelSignature and kernel_signatures stay importable from here, where they were first; so do the
-# program's types (now in wrapper_program) and the reuse analysis (now in wrapper_reuse)
 from concur.inductor.kernel_signatures import _ALLOCATORS, KernelSignature, _dotted, kernel_signatures
 from concur.inductor.wrapper_program import (_ALIGNING_COPIES, _EXTERN_OUT_ONLY, _HOST_CHECKS, _INPLACE_METHODS, _STREAM_GETTERS,
                                             _VIEWS, WORLD, KernelProgram, Reuse, Statement, UnsupportedWrapper,
                                             _bind_schema, _kernel_of, _names, _resolve, _stored)
 from concur.inductor.wrapper_reuse import Storages, reuse_lines, splittable_reuses
 
-__all__ = ["WORLD", "TESTED_TORCH_VERSIONS", "KernelProgram", "KernelSignature", "Reuse", "Statement",
-           "UnsupportedWrapper", "find_call_function", "kernel_signatures", "parse_wrapper", "parse_wrapper_source",
-           "source_namespace"]
+__all__ = ["TESTED_TORCH_VERSIONS", "find_call_function", "parse_wrapper", "parse_wrapper_source", "source_namespace"]
 
 # torch versions whose real wrappers are checked in (tests/fixtures/wrappers) and checked against inductor's
 # own scheduler by tests/test_golden_wrappers.py: 2.11 on an H100 (triton); 2.13.0, 2.14.1 and 2.15.0 on CPU (C++),

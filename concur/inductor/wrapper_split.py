@@ -9,8 +9,8 @@ splits each joint call into its input-gradient call, which stays on the
 critical path, and its weight(+bias)-gradient call, which a side stream can
 take (:mod:`concur.inductor.weight_grads` says why and what the split must
 keep). So the one-stream program concur measures a plan against is
-inductor's own, not a split one that can be slower (ResNeSt-14d's was ~10%
-on the H100), and no second compile is needed.
+inductor's own, not a split one, which can run slower on one stream than
+the joint call, and no second compile is needed.
 
 The rewrite is on the wrapper's text, before :mod:`concur.inductor.wrapper_parse`
 reads it, so the parser sees two ordinary aten fallback calls::

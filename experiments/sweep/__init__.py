@@ -2,7 +2,7 @@ r"""Sweep models x batch sizes x precisions x modes; one subprocess per configur
 
     python -m experiments.sweep                                   # everything, on the GPU
     python -m experiments.sweep --models googlenet branchy:8x64 --batches 8 64 --precisions bf16
-    python -m experiments.sweep --out experiments/results/2026-12-01-h100 --resume
+    python -m experiments.sweep --out DIR --resume                # carry on where a run in DIR stopped
     python -m experiments.sweep --cpu-smoke --out /tmp/smoke       # tiny nets on CPU: plumbing only
     python -m experiments.sweep --models googlenet --modes compile_graph fused:4 \
         --together compile_graph,fused:4 --compile-jobs 6          # the two timed in turns, one child

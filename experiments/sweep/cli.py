@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args.precisions = args.precisions or smoke.get("precisions") or ["fp32", "bf16"]
     args.modes = args.modes or smoke.get("modes") or list(ALL_MODES)
     args.image_size = args.image_size or smoke.get("image_size")
-    args.together = [t.replace("+", ",") for t in args.together]  # '+' where commas are taken (gpu_check.sh)
+    args.together = [t.replace("+", ",") for t in args.together]  # '+' where commas are taken (the device scripts' arguments)
     listed = set(args.modes)
     seen: set[str] = set()
     for t in args.together:

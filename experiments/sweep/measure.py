@@ -11,7 +11,6 @@ import os
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,20 +20,7 @@ from experiments.sweep.configs import (CHANNELS_LAST_PRECISIONS, COMPILING_MODES
                                        FUSED_MODES, FUSED_OPTIONS, PEER_MODES, config_key, file_stem, mode_kind)
 from experiments.sweep.memory import FIELDS as MEMORY_FIELDS, MemoryPeaks
 from experiments.sweep.rows import run_meta
-from experiments.sweep.timing import time_in_turns, time_steps
-
-
-@dataclass
-class PreparedMode:
-    """One mode of one configuration, set up (compiled or captured) and ready to step."""
-
-    row: dict
-    step_fn: Callable[[], None]
-    train_step: Any  # concur's TrainStep, or None for the plain-loop and peer modes
-    model: Any
-    x: Any
-    cuda: bool
-    memory: MemoryPeaks = field(default_factory=lambda: MemoryPeaks(cuda=False))
+from experiments.sweep.timing import PreparedMode, time_in_turns, time_steps
 
 
 def _streams_arg(mode: str) -> int | str:
@@ -141,7 +127,7 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
 
             peer = peers.RECIPES[kind.removeprefix("peer_")](model, loss_fn, opt, (x, y), amp_dtype)
             return (lambda: peer(x, y)), None
-        # every concur path goes through train_step, as experiments/bench_train.py does; serial_graph and
+        # every concur path goes through train_step, as a user's does; serial_graph and
         # compile_graph are concur's own step on one stream, not PyTorch's recipe (the peer_* modes are)
         streams = 1 if kind in ("serial_graph", "compile_graph") else _streams_arg(mode)
         step = concur.train_step(model, loss_fn, opt, (x, y), streams=streams, cuda_graph=kind != "eager_streams",
@@ -164,8 +150,9 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
     if getattr(step, "deciding", False):
         # an unfused step times its programs on its first calls (concur.training.trial), alone on the GPU: no other
         # child's compile, capture or warm-up beside it (``turn``, held shared while setting up), as a user's
-        # process would run them; on 2026-11-27 GoogLeNet b64 timed beside other children measured its 4-stream
-        # program at 22.9 ms against 10.4 alone, and dropped it. The warm-up below captures the chosen program.
+        # process would run them: beside other children a program can time at twice its own time (GoogLeNet b64's
+        # 4-stream program, 22.9 ms against 10.4 alone) and a faster program be dropped. The warm-up below
+        # captures the chosen program.
         if turn is not None:
             turn.exclusive()
         for _ in range(200):

@@ -9,13 +9,28 @@ steps at a time (:mod:`experiments.sweep.memory`).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from experiments.sweep.configs import file_stem
+from experiments.sweep.memory import MemoryPeaks
 
-if TYPE_CHECKING:
-    from experiments.sweep.measure import PreparedMode
+
+@dataclass
+class PreparedMode:
+    """One mode of one configuration, set up (compiled or captured) and ready to step: what the timing steps.
+
+    It lives beside the timing, which reads it, so that measure.py (which builds it) imports timing and not the
+    other way round."""
+
+    row: dict
+    step_fn: Callable[[], None]
+    train_step: Any  # concur's TrainStep, or None for the plain-loop and peer modes
+    model: Any
+    x: Any
+    cuda: bool
+    memory: MemoryPeaks = field(default_factory=lambda: MemoryPeaks(cuda=False))
 
 
 def time_steps(row: dict, cfg: dict, fn: Callable[[], None], cuda: bool) -> None:
