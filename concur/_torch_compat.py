@@ -208,29 +208,25 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
         setter(f"{_RECORD_STREAM_REUSE}:False")
 
 
-def finish_failed_capture(device: int, pool: object, stream: "torch.cuda.Stream") -> bool:
-    """Undo what a failed CUDA-graph capture into ``pool`` left behind; return whether it had left anything.
+def finish_failed_capture(device: int, pool: object) -> bool:
+    """Undo what a failed CUDA-graph capture left in ``pool``; return whether it had left anything.
 
     Call it once the failed graph object is gone. A capture the driver
     invalidated (a block freed with ``cudaFree`` while the stream captured,
     as the caching allocator does when a capture runs out of memory; a graph
     destroyed mid-capture) makes ``CUDAGraph.capture_end`` raise before it
-    ends the allocator's recording into the pool, and, on the torch releases
-    that keep a capture flag in the generator, before it ends the device
-    generator's capture. Then every later capture into the pool fails with
-    "beginAllocateToPool: already recording to mempool_id", every random
-    op with "Offset increment outside graph capture encountered
-    unexpectedly", and the pool's memory stays reserved for good: the
-    graph never held it by torch's reckoning, so it never gives it back.
+    ends the allocator's recording into the pool. Then every later capture
+    into the pool fails with "beginAllocateToPool: already recording to
+    mempool_id", and the pool's memory stays reserved for good: the graph
+    never held it by torch's reckoning, so it never gives it back.
 
     Where the recording is still on once the graph is gone, torch did not
-    clean up: the recording is ended, the graph's hold on the pool given
+    clean up: the recording is ended and the graph's hold on the pool given
     back (its segments go back to the device at the next ``empty_cache``
-    where no live graph shares the pool) and an empty capture on ``stream``
-    ends the generator's. Where torch cleaned up itself (releases whose
-    graph undoes an abandoned capture), nothing is done: it is never undone
-    twice. A torch without these calls changes nothing (False); the caller
-    captures into a new pool either way.
+    where no live graph shares the pool). Where torch cleaned up itself
+    (releases whose graph undoes an abandoned capture), nothing is done: it
+    is never undone twice. A torch without these calls changes nothing
+    (False); the caller captures into a new pool either way.
     """
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     release = getattr(torch._C, "_cuda_releasePool", None)
@@ -244,6 +240,19 @@ def finish_failed_capture(device: int, pool: object, stream: "torch.cuda.Stream"
         release(device, pool)
     except (RuntimeError, TypeError):
         pass
+    return True
+
+
+def end_generator_capture(stream: "torch.cuda.Stream") -> None:
+    """Take the device's random-number generator out of capture mode after a capture that failed.
+
+    On releases that keep a capture flag in the generator, ``capture_end``
+    raising before its end (an invalidated capture) leaves the flag on, and
+    every random op after it fails with "Offset increment outside graph
+    capture encountered unexpectedly". An empty capture on ``stream`` (not
+    the default stream) begins and ends one, which turns the flag off; on
+    releases that keep capture state per capture it changes nothing.
+    """
     try:
         with warnings.catch_warnings():  # "The CUDA Graph is empty": the point of this one
             warnings.simplefilter("ignore")
@@ -252,9 +261,8 @@ def finish_failed_capture(device: int, pool: object, stream: "torch.cuda.Stream"
                 graph.capture_begin()
                 graph.capture_end()
             del graph
-    except RuntimeError:
+    except (RuntimeError, AttributeError):  # a torch without these calls, or no CUDA: nothing to end
         pass
-    return True
 
 
 def clear_cublas_workspaces() -> None:

@@ -10,7 +10,6 @@ import logging
 
 import networkx as nx
 import pytest
-import torch
 
 from concur.dag import decide
 from concur.dag.disk_cache import JsonCache
@@ -100,21 +99,6 @@ def test_a_timer_that_fails_leaves_the_decision_to_the_prediction():
     d = decide.decide("g", FAST, timer=broken, cache=cache, key="k")
     assert d.keep and d.source == "prediction" and "timing failed (RuntimeError: operation not permitted" in d.reason
     assert cache.entries == {}  # nothing measured, nothing stored
-
-
-@pytest.mark.parametrize("error", [
-    lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-    lambda: RuntimeError("CUDA error: out of memory")])  # a graph that does not fit when instantiated
-def test_a_timing_that_runs_out_of_memory_keeps_one_stream(error):
-    """The programs side by side did not fit: the one-stream program needs the least memory, whatever the
-    prediction says; nothing stored, so a run with more room times it."""
-    def broken():
-        raise error()
-
-    cache = DictCache()
-    d = decide.decide("g", FAST, timer=broken, cache=cache, key="k")
-    assert not d.keep and d.num_streams == 1 and d.source == "memory" and "out of memory" in d.reason
-    assert cache.entries == {}
 
 
 def test_a_cache_hit_skips_timing_and_repeats_the_decision():

@@ -143,17 +143,19 @@ def test_where_no_capture_succeeds_the_step_runs_eagerly_says_why_and_recapture_
 
 
 def test_a_failed_capture_is_cleaned_up_after_once_its_graph_is_gone_and_its_pool_is_not_reused(monkeypatch):
-    """With torch's graph API faked: the runner gives back a failed attempt (failed()) after the graph object is
-    freed, asks torch to undo what the capture left (the pool's recording, the generator's capture), and never
-    captures into that pool again."""
+    """With torch's graph API faked: the generator leaves capture mode at once; the runner gives back a failed
+    attempt (failed()) after the graph object is freed, asks torch to undo what the capture left in the pool, and
+    never captures into that pool again."""
     cuda = fake_cuda(monkeypatch)
     finished = []
 
-    def finish(device, pool, stream):
+    def finish(device, pool):
         finished.append((pool, cuda.alive()))
         return True
 
     monkeypatch.setattr(graph_runner.compat, "finish_failed_capture", finish)
+    generator = []
+    monkeypatch.setattr(graph_runner.compat, "end_generator_capture", lambda stream: generator.append(stream))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     runner = graph_runner.CudaGraphRunner(priority=False)
     first = runner._pool_handle()
@@ -165,6 +167,7 @@ def test_a_failed_capture_is_cleaned_up_after_once_its_graph_is_gone_and_its_poo
         runner.capture(fails, step=None)
     runner.failed()
     assert finished == [(first, 0)], "cleaned up once, after the failed graph was freed"
+    assert len(generator) == 1, "the generator is taken out of capture mode at once"
     runner.release_old_pool()
     runner.capture(lambda: None, step=None)
     assert runner._pool_handle() != first

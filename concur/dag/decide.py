@@ -179,7 +179,7 @@ class Decision:
     keep: bool                   # run the multi-stream program (False: one stream)
     prediction: Prediction
     measured: Measured | None    # None where nothing was timed (nor read from the cache)
-    source: str                  # "prediction", "measurement", "cache" or "memory" (a timing ran out of it)
+    source: str                  # "prediction", "measurement" or "cache"
     reason: str                  # one sentence: what was compared with what
     candidate: int = 0           # which of the candidates given to choose() the prediction and times are of
 
@@ -347,10 +347,6 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
     except Exception as exc:  # noqa: BLE001 - a program that cannot be timed is judged as without a GPU
         why = (str(exc).splitlines() or [""])[0][:200]
         i = worth[by_prediction([candidates[i] for i in worth])]
-        if out_of_memory(exc):  # the programs side by side did not fit: one stream needs the least memory
-            return Decision(False, candidates[i], None, "memory",
-                            f"{_predicted(candidates[i])}; one stream, since timing the programs ran out of "
-                            f"memory ({why})", i)
         return Decision(True, candidates[i], None, "prediction",
                         f"{_predicted(candidates[i])}; timing failed ({type(exc).__name__}: {why})", i)
     # the fewest streams within the margin of the fastest: as fast, with fewer streams' memory and launches

@@ -204,8 +204,8 @@ def _replays_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-# (device, pool, stream) of each capture that failed and has not been cleaned up after (settle_failed_captures)
-_FAILED_CAPTURES: list[tuple[int, Any, torch.cuda.Stream]] = []
+# (device, pool) of each capture that failed and has not been cleaned up after (settle_failed_captures)
+_FAILED_CAPTURES: list[tuple[int, Any]] = []
 
 
 @contextlib.contextmanager
@@ -216,10 +216,12 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     before: it frees objects at moments of its own choosing, and freeing a
     CUDA graph (one in a reference cycle) while a stream captures is an
     illegal call that invalidates the capture ("operation not permitted when
-    stream is capturing"). A capture that fails is cleaned up after once its
-    graph is gone (:func:`settle_failed_captures`): before the next capture,
-    or where the caller gives back a failed attempt's memory. The caller
-    captures later graphs into another pool.
+    stream is capturing"). Where a capture fails, the device's generator is
+    taken out of capture mode at once (random ops run eagerly right after,
+    in a warm-up), and the pool is cleaned up after once the failed graph is
+    gone (:func:`settle_failed_captures`): before the next capture, or where
+    the caller gives back a failed attempt's memory. The caller captures
+    later graphs into another pool.
     """
     settle_failed_captures()
     gc.collect()
@@ -229,8 +231,9 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
         with compat.capture_reuses_cross_stream_blocks(), torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     except BaseException:
+        compat.end_generator_capture(stream)
         device = getattr(stream, "device", None)
-        _FAILED_CAPTURES.append((torch.cuda.current_device() if device is None else device.index, pool, stream))
+        _FAILED_CAPTURES.append((torch.cuda.current_device() if device is None else device.index, pool))
         raise
     finally:
         if collecting:
@@ -245,7 +248,7 @@ def settle_failed_captures() -> int:
         return 0
     gc.collect()
     failed, _FAILED_CAPTURES[:] = list(_FAILED_CAPTURES), []
-    return sum(compat.finish_failed_capture(device, pool, stream) for device, pool, stream in failed)
+    return sum(compat.finish_failed_capture(device, pool) for device, pool in failed)
 
 
 # the capture stream of the innermost captures_into block, for replay_rounds

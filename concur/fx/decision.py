@@ -122,18 +122,15 @@ class PendingChoice:
         """Return the index in :attr:`programs` of the plan the module runs until the choice is settled."""
         return 1 + self.timed.index(self.default)
 
-    def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "",
-               out_of_memory: bool = False) -> tuple[decide.Decision, Plan]:
+    def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> tuple[decide.Decision, Plan]:
         """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs.
 
         Without rounds (the caller could not capture every plan to time them;
         ``why``: the exception) the prediction decides, not cached: a later
-        run times again; where they ran ``out_of_memory``, one stream
-        (:func:`concur.dag.decide.choose`).
+        run times again.
         """
         def untimed() -> list:
-            message = f"capturing every program at once failed ({why})"
-            raise torch.OutOfMemoryError(message) if out_of_memory else RuntimeError(message)
+            raise RuntimeError(f"capturing every program at once failed ({why})")
 
         timed = rounds is not None
         decision = decide.choose(f"{self.what}, {'timed ' if timed else ''}on the step's first calls",

@@ -190,13 +190,11 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         self._plan_attrs.add(plan.runtime_attr)
         self._plans[self._mode_key()] = plan
 
-    def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "",
-               out_of_memory: bool = False) -> decide.Decision:
+    def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> decide.Decision:
         """Decide the current mode's pending choice on the caller's timed ``rounds``, or by prediction where
-        there are none (the caller could not time them: ``why``), or one stream where the programs ran
-        ``out_of_memory``; run the plan it picks."""
+        there are none (the caller could not time them: ``why``); run the plan it picks."""
         choice = self._pending.pop(self._mode_key())
-        decision, plan = choice.settle(rounds, why, out_of_memory)
+        decision, plan = choice.settle(rounds, why)
         self.run_plan(plan)
         return decision
 

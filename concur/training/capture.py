@@ -120,25 +120,23 @@ def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, s
     their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
 
     Every program at once needs more memory than one: where capturing them
-    runs out of memory, the step runs one stream (the programs beside each
-    other did not fit, and the one-stream program needs the least); where
-    it fails otherwise, the prediction decides (not cached) and the
-    predicted program alone is captured, as where a timing before the step
-    fails.
+    fails, the prediction decides (not cached), and the predicted program
+    alone is captured, as where a timing before the step fails; where that
+    one does not fit either, :func:`capture_with_fallback` drops to one
+    stream.
     """
     choice = trial_choice(step, streams)
-    failure, memory = None, False
+    failure = None
     if choice is not None:
         try:
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
             return step._trial.programs[choice.program_of_default()]
         except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
-            memory = is_out_of_memory(exc)
-            failure = shortfall(exc) if memory else f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
         step._trial = None
         step._runner.failed()
-        step.step_decisions.append(step._module(streams).settle(None, failure, out_of_memory=memory))
+        step.step_decisions.append(step._module(streams).settle(None, failure))
     # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
     return capture(step, inputs, targets, streams, phase, warmup=1 if key in step.warmed_keys else None)
 
