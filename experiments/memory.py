@@ -79,7 +79,8 @@ ROW_MARK = "MEMORY_ROW "  # the child's row among whatever else torch prints to 
 MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past this it is measured as it stands
 CHILD_TIMEOUT_S = 3600.0
 MB = 2**20
-FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because", re.IGNORECASE)
+FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
+                      re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -172,26 +173,36 @@ def _plain(fields: dict) -> dict:
 
 
 def _streams_kept(step: Any) -> dict:
-    """The streams the step runs on: from ``step.state`` where the step has one, else from its captured graphs."""
+    """How the step runs (``TrainStep.status``: captured or eager, the streams of its program, why, what its
+    captures went through) and the decisions it took."""
     found: dict[str, Any] = {}
-    try:
-        state = getattr(step, "state", None)
-    except Exception as exc:  # noqa: BLE001 - an optional attribute: what it raises is recorded, not fatal
-        state, found["state_error"] = None, f"{type(exc).__name__}: {exc}"
-    if state is not None:
-        found["state"] = repr(state)[:4000]
-        if hasattr(state, "__dict__"):
-            found["state_vars"] = _plain(vars(state))
-        if isinstance(getattr(state, "streams", None), (int, str)):
-            found["streams"] = state.streams
+    status = getattr(step, "status", None)
+    if status is not None:
+        found["status"] = str(status)
+        found.update(mode=status.mode, streams=status.streams, why=status.why, captures=status.captures,
+                     capture_failures=status.failures, recovered=status.recovered,
+                     fallbacks=list(status.fallbacks))
     graphs = getattr(step, "graphs", None) or {}
-    captured = sorted({getattr(c, "streams", None) for c in graphs.values()}, key=str)
-    found["graph_streams"] = captured
-    found.setdefault("streams", captured[0] if len(captured) == 1 else (captured or None))
+    found["graph_streams"] = sorted({getattr(c, "streams", None) for c in graphs.values()}, key=str)
     decisions = getattr(step, "step_decisions", None) or []
     found["decisions"] = [dict(keep=getattr(d, "keep", None), source=getattr(d, "source", None),
                                reason=str(getattr(d, "reason", ""))[:300]) for d in decisions]
     return found
+
+
+def breakdown() -> dict[str, list[float]]:
+    """Reserved and allocated MB by memory pool and stream, from the caching allocator's segments: a graph's
+    private pool apart from the default one, each stream's blocks apart (a block serves only its stream)."""
+    by: dict[str, list[float]] = {}
+    streams: dict[int, str] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        stream = streams.setdefault(segment["stream"], f"stream{len(streams)}")
+        key = f"{'default' if pool == (0, 0) else f'pool{pool[0]}.{pool[1]}'} {stream}"
+        entry = by.setdefault(key, [0.0, 0.0])
+        entry[0] += segment["total_size"] / MB
+        entry[1] += segment["allocated_size"] / MB
+    return {k: [round(r, 1), round(a, 1)] for k, (r, a) in sorted(by.items())}
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -230,6 +241,7 @@ def _train(payload: dict, row: dict) -> None:
     row["setup_calls"] = calls + 1
     setup_peaks = _peaks()
     held = _held()
+    row["held_by_pool_and_stream"] = breakdown()
     _reset_peaks()
     for _ in range(payload["steps"]):
         step(*batch)

@@ -221,7 +221,7 @@ def test_concurs_warning_that_it_ran_eagerly_is_a_fallback_and_others_warnings_a
     row = memory.child(_payload("concur_streams1", "concur", 1))
     assert row["outcome"] == "fallback", row
     assert any("runs eagerly" in t for t in row["fallback_warnings"])
-    assert row["streams"] is None and row["graph_streams"] == []  # nothing captured
+    assert row["mode"] == "eager" and row["graph_streams"] == []  # nothing captured
     cpu_child.setattr(memory, "setup", _tiny_setup(warn="a model's own warning: falling back to float32"))
     row = memory.child(_payload("recipe", "recipe", None))
     assert row["outcome"] == "fit" and row["fallback_warnings"] == []
@@ -250,16 +250,22 @@ def test_a_timm_network_without_timm_is_an_error_row(cpu_child):
     assert row["error"].startswith("timm not installed")
 
 
-def test_streams_kept_come_from_the_state_where_the_step_has_one_else_from_its_graphs():
+def test_how_the_step_runs_comes_from_its_status_and_the_graphs_streams_beside_it():
+    from concur.training.status import StepStatus
+
     graphs = {"a": types.SimpleNamespace(streams=4), "b": types.SimpleNamespace(streams=4)}
-    plain = types.SimpleNamespace(graphs=graphs)
-    assert memory._streams_kept(plain)["streams"] == 4 and "state" not in memory._streams_kept(plain)
-    state = types.SimpleNamespace(streams=1, reason="one stream was faster", model=nn.Linear(2, 2))
-    kept = memory._streams_kept(types.SimpleNamespace(graphs=graphs, state=state))
-    assert kept["streams"] == 1 and kept["graph_streams"] == [4] and "faster" in kept["state"]
-    assert kept["state_vars"]["reason"] == "one stream was faster" and kept["state_vars"]["model"].startswith("Linear")
-    mixed = {"a": types.SimpleNamespace(streams=4), "b": types.SimpleNamespace(streams=1)}
-    assert memory._streams_kept(types.SimpleNamespace(graphs=mixed))["streams"] == [1, 4]
+    status = StepStatus("captured", 1, 4, "the step on 4 streams does not fit in memory", 2, 1, 0,
+                        ("the step on 4 streams does not fit in memory",))
+    kept = memory._streams_kept(types.SimpleNamespace(graphs=graphs, status=status))
+    assert kept["streams"] == 1 and kept["graph_streams"] == [4] and kept["mode"] == "captured"
+    assert kept["capture_failures"] == 1 and "does not fit" in kept["why"] and "1 stream of 4" in kept["status"]
+    assert "status" not in memory._streams_kept(types.SimpleNamespace(graphs=graphs))
+
+
+def test_concurs_memory_fallback_warning_is_a_fallback():
+    assert memory.FALLBACK.search("concur.train_step: the step on 4 streams does not fit in memory (an allocation "
+                                  "of 20.00 MiB did not fit); running it on 1 stream instead, for this and later "
+                                  "input shapes.")
 
 
 def test_the_jsonl_has_a_row_per_run_with_every_field(tmp_path, cpu_child):
@@ -358,3 +364,14 @@ def test_a_real_child_runs_from_any_folder_and_its_row_comes_back(tmp_path, monk
     row = memory.run_child(_payload("recipe_alone", "recipe", None), timeout_s=300)
     assert row["error_type"] == "RuntimeError" and "needs a CUDA device" in row["error"]  # a row, not a crash
     assert row["exit_code"] == 0 and row["concur_loaded"] is False
+
+
+def test_the_breakdown_keeps_pools_and_streams_apart(monkeypatch):
+    """A graph pool's side-stream blocks are what a multi-stream step adds: the breakdown must show them apart."""
+    segments = [dict(segment_pool_id=(0, 0), stream=0, total_size=2 * MB, allocated_size=MB),
+                dict(segment_pool_id=(0, 4), stream=77, total_size=10 * MB, allocated_size=4 * MB),
+                dict(segment_pool_id=(0, 4), stream=77, total_size=6 * MB, allocated_size=0),
+                dict(segment_pool_id=(0, 4), stream=91, total_size=3 * MB, allocated_size=3 * MB)]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert memory.breakdown() == {"default stream0": [2.0, 1.0], "pool0.4 stream1": [16.0, 4.0],
+                                  "pool0.4 stream2": [3.0, 3.0]}
