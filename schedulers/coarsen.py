@@ -241,7 +241,10 @@ def _cluster_dag(dag: nx.DiGraph, members: dict[int, tuple]) -> Coarsened:
     cluster_of = {v: c for c, vs in members.items() for v in vs}
     coarse = nx.DiGraph()
     for c, vs in members.items():  # inserted in program order: schedulers read it as such
-        coarse.add_node(c, cost=sum(node_cost(dag, v) for v in vs))
+        # a cluster holds its members' outputs (a member's freed inside the cluster is counted whole)
+        coarse.add_node(c, cost=sum(node_cost(dag, v) for v in vs),
+                        bytes=sum(int(dag.nodes[v].get("bytes") or 0) for v in vs),
+                        held=any(dag.nodes[v].get("held", False) for v in vs))
     coarse.add_edges_from((cluster_of[u], cluster_of[v]) for u, v in dag.edges
                           if cluster_of[u] != cluster_of[v])
     return Coarsened(coarse, members, cluster_of)

@@ -24,6 +24,12 @@ none gets a stream or a wait of its own.
 
 With ``sync_cost=0`` the predicted makespan never exceeds the serial one: each
 placement finishes no later than the latest finish so far plus its own cost.
+
+Given ``memory_budget`` (bytes; nodes carry ``bytes`` and ``held``, see
+`schedulers.memory`), a node goes only to a stream where the sum of the
+streams' peaks of live bytes stays within the budget; where none does, to
+the stream that adds the least. Far from the program's peak of memory every
+stream fits, so the budget limits concurrency only near it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from collections.abc import Hashable
 import networkx as nx
 
 from schedulers.coarsen import with_trivial_attached
+from schedulers.memory import MemoryTracker
 from schedulers.schedule import Schedule, build_schedule, check_dag, node_cost, register
 
 __all__ = ["critical_path", "bottom_levels"]
@@ -57,7 +64,7 @@ def bottom_levels(dag: nx.DiGraph) -> dict[Hashable, float]:
 @register
 @with_trivial_attached
 def critical_path(
-    dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, **kw: object
+    dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, memory_budget: int | None = None, **kw: object
 ) -> Schedule:
     """Return a list schedule that runs the longest remaining path first, each node where it finishes first.
 
@@ -73,6 +80,21 @@ def critical_path(
     (Wait(producer='a', consumer='c'), Wait(producer='c', consumer='d'))
     >>> s.makespan
     12.0
+
+    Two branches whose outputs do not all fit side by side (4 bytes each,
+    `schedulers.memory`): on two streams they need 16 bytes; within 12, the
+    one-stream peak, c2 joins stream 0 once c1 has run beside b1.
+
+    >>> from schedulers.memory import peak_bytes
+    >>> dag = nx.DiGraph([("a", "b1"), ("b1", "b2"), ("b2", "d"), ("a", "c1"), ("c1", "c2"), ("c2", "d")])
+    >>> nx.set_node_attributes(dag, {"a": 1, "b1": 5, "b2": 5, "c1": 5, "c2": 5, "d": 1}, "cost")
+    >>> nx.set_node_attributes(dag, 4, "bytes")
+    >>> free = critical_path(dag, 2, sync_cost=0.0)
+    >>> kept = critical_path(dag, 2, sync_cost=0.0, memory_budget=12)
+    >>> [free.stream[v] for v in ("c1", "c2")], [kept.stream[v] for v in ("c1", "c2")]
+    ([1, 1], [1, 0])
+    >>> peak_bytes(dag, free.order, free.stream), peak_bytes(dag, kept.order, kept.stream)
+    (16, 12)
     """
     check_dag(dag, num_streams)
     index = {v: i for i, v in enumerate(dag.nodes)}
@@ -82,6 +104,7 @@ def critical_path(
     ready = [(-priority[v], index[v], v) for v in dag.nodes if missing[v] == 0]
     heapq.heapify(ready)
 
+    memory = MemoryTracker(dag, num_streams) if memory_budget is not None else None
     free = [0.0] * num_streams
     finish: dict[Hashable, float] = {}
     stream: dict[Hashable, int] = {}
@@ -97,7 +120,13 @@ def critical_path(
             cross = any(stream[u] != t for u in preds)
             return max(free[t], inputs_done) + (sync_cost if cross else 0.0) + node_cost(dag, v)
 
-        t = min(range(num_streams), key=lambda t: (finish_on(t), t not in home, t))
+        candidates = list(range(num_streams))
+        if memory is not None:
+            fits = [t for t in candidates if memory.total_if(v, t) <= memory_budget]
+            candidates = fits or [min(candidates, key=lambda t: (memory.total_if(v, t), t not in home, t))]
+            memory.issue(v, t := min(candidates, key=lambda t: (finish_on(t), t not in home, t)))
+        else:
+            t = min(candidates, key=lambda t: (finish_on(t), t not in home, t))
         finish[v] = free[t] = finish_on(t)
         stream[v] = t
         order.append(v)
