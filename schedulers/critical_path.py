@@ -41,7 +41,7 @@ import networkx as nx
 
 from schedulers.coarsen import with_trivial_attached
 from schedulers.memory import MemoryTracker
-from schedulers.schedule import Schedule, build_schedule, check_dag, node_cost, register
+from schedulers.schedule import Schedule, build_schedule, check_dag, insertion_order, node_cost, register
 
 __all__ = ["critical_path", "bottom_levels"]
 
@@ -82,8 +82,8 @@ def critical_path(
     12.0
 
     Two branches whose outputs do not all fit side by side (4 bytes each,
-    `schedulers.memory`): on two streams they need 16 bytes; within 12, the
-    one-stream peak, c2 joins stream 0 once c1 has run beside b1.
+    `schedulers.memory`): on two streams they need 16 bytes, on one 12;
+    within 12, branch c stays on stream 0.
 
     >>> from schedulers.memory import peak_bytes
     >>> dag = nx.DiGraph([("a", "b1"), ("b1", "b2"), ("b2", "d"), ("a", "c1"), ("c1", "c2"), ("c2", "d")])
@@ -92,7 +92,7 @@ def critical_path(
     >>> free = critical_path(dag, 2, sync_cost=0.0)
     >>> kept = critical_path(dag, 2, sync_cost=0.0, memory_budget=12)
     >>> [free.stream[v] for v in ("c1", "c2")], [kept.stream[v] for v in ("c1", "c2")]
-    ([1, 1], [1, 0])
+    ([1, 1], [0, 0])
     >>> peak_bytes(dag, free.order, free.stream), peak_bytes(dag, kept.order, kept.stream)
     (16, 12)
     """
@@ -105,6 +105,7 @@ def critical_path(
     heapq.heapify(ready)
 
     memory = MemoryTracker(dag, num_streams) if memory_budget is not None else None
+    program = insertion_order(dag) if memory is not None else []  # the order the look-ahead issues the rest in
     free = [0.0] * num_streams
     finish: dict[Hashable, float] = {}
     stream: dict[Hashable, int] = {}
@@ -122,8 +123,9 @@ def critical_path(
 
         candidates = list(range(num_streams))
         if memory is not None:
-            fits = [t for t in candidates if memory.total_if(v, t) <= memory_budget]
-            candidates = fits or [min(candidates, key=lambda t: (memory.total_if(v, t), t not in home, t))]
+            rest = [u for u in program if u not in stream and u != v]
+            fits = [t for t in candidates if memory.fits_if(v, t, rest, memory_budget)]
+            candidates = fits or [min(candidates, key=lambda t: (memory.total_if(v, t), t != 0, t))]
             memory.issue(v, t := min(candidates, key=lambda t: (finish_on(t), t not in home, t)))
         else:
             t = min(candidates, key=lambda t: (finish_on(t), t not in home, t))

@@ -71,6 +71,32 @@ class MemoryTracker:
         grown = max(self.peak[stream], self.live[stream] + node_bytes(self.dag, v))
         return self.total() - self.peak[stream] + grown
 
+    def copy(self) -> "MemoryTracker":
+        """A tracker in the same state, to try a continuation on."""
+        other = MemoryTracker.__new__(MemoryTracker)
+        other.dag, other.live, other.peak = self.dag, list(self.live), list(self.peak)
+        other._stream, other._waiting = dict(self._stream), dict(self._waiting)
+        return other
+
+    def fits_if(self, v: Hashable, stream: int, rest: Sequence[Hashable], budget: int) -> bool:
+        """Whether issuing ``v`` on ``stream`` leaves the program within ``budget`` with ``rest`` (the nodes not
+        yet issued, in an order that keeps dependencies) all issued on stream 0 after it.
+
+        Looking ahead keeps the budget where a branch would otherwise take
+        its share early and leave a later join no room on any stream.
+        """
+        if self.total_if(v, stream) > budget:
+            return False
+        if self.total() + sum(node_bytes(self.dag, u) for u in rest) + node_bytes(self.dag, v) <= budget:
+            return True  # everything left fits even if nothing were ever freed
+        trial = self.copy()
+        trial.issue(v, stream)
+        for u in rest:
+            trial.issue(u, 0)
+            if trial.total() > budget:
+                return False
+        return True
+
     def issue(self, v: Hashable, stream: int) -> None:
         """Issue ``v`` on ``stream``: its outputs become live there; inputs whose last reader it is are freed."""
         self._stream[v] = stream

@@ -25,6 +25,7 @@ statistics), the RNG state and the example inputs are restored or cloned.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
@@ -72,6 +73,11 @@ class NodeFacts:
     # only tensors of at most one element (BatchNorm's num_batches_tracked.add_(1)). Such an op's
     # time is the CPU's launch, which streams cannot overlap, so it stays beside its data.
     no_arithmetic: bool = False
+    # bytes of the storages the op allocates (outputs in storages it did not read: not views, not in place)
+    alloc_bytes: int = 0
+    # whether autograd saves one of its outputs for backward (alive until backward reaches it): seen where
+    # the module trains and the run records a graph (annotate(..., saved=True))
+    saved: bool = False
 
 
 class StorageKeys:
@@ -212,6 +218,12 @@ class _Annotator(ShapeProp):
         self.devices = devices
         self.storage_key = StorageKeys()
         self._failure: Exception | None = None
+        self.saved_keys: set[Hashable] = set()  # storages autograd saved for backward so far
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks``' pack: note the storage autograd saves, keep the tensor as it is."""
+        self.saved_keys.add(self.storage_key(t))
+        return t
 
     def _guarded(self, run: Any, target: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -267,23 +279,46 @@ class _Annotator(ShapeProp):
                     seen.add(key)
                     moved += t.numel() * t.element_size()
         scalar_only = flops == 0 and all(t.numel() <= 1 for t in inputs + outputs + state)
+        allocated: dict[Hashable, int] = {}
+        for t in outputs:
+            key = storage_key(t)
+            if key not in reads:
+                allocated[key] = t.untyped_storage().nbytes()
         n.meta["concur"] = NodeFacts(frozenset(reads), frozenset(writes), frozenset(out_keys),
-                                     flops, moved, launches, not launches or scalar_only)
+                                     flops, moved, launches, not launches or scalar_only,
+                                     sum(allocated.values()))
         return result
 
     def _value_of(self, arg: Any) -> Any:
         return map_aggregate(arg, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
 
 
-def annotate(gm: fx.GraphModule, example_inputs: tuple) -> Any:
+def annotate(gm: fx.GraphModule, example_inputs: tuple, saved: bool = False) -> Any:
     """Run ``gm`` once on clones of ``example_inputs`` and fill ``node.meta``; return its output.
 
     Model buffers and RNG state are restored afterwards and the inputs are
     cloned, so the caller's model and data are exactly as they were. Raises
     :class:`OpFailed` when an operation raises on the inputs.
+
+    With ``saved`` (a module that trains, with parameters to train) the run
+    records autograd's graph, as a training step's forward does, and notes
+    which outputs autograd saves for backward (:attr:`NodeFacts.saved`):
+    those stay alive to the start of backward, the step's peak of memory.
+    It holds a forward's activations until it returns; without ``saved`` it
+    runs without gradients.
     """
     inputs = tuple(map_aggregate(x, lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a)
                    for x in example_inputs)
     devices = {t.device for t in tensors_in(inputs)} | {p.device for p in gm.parameters()}
-    with preserved_state(gm, devices), torch.no_grad():
-        return _Annotator(gm, devices).propagate(*inputs)
+    annotator = _Annotator(gm, devices)
+    recording = torch.enable_grad() if saved else torch.no_grad()
+    hooks = torch.autograd.graph.saved_tensors_hooks(annotator.pack, lambda t: t) if saved \
+        else contextlib.nullcontext()
+    with preserved_state(gm, devices), recording, hooks:
+        result = annotator.propagate(*inputs)
+    if saved:  # an output is saved where a later op saves it as its input: known once the run is over
+        for n in gm.graph.nodes:
+            found = n.meta.get("concur")
+            if isinstance(found, NodeFacts) and found.outputs & annotator.saved_keys:
+                n.meta["concur"] = dataclasses.replace(found, saved=True)
+    return map_aggregate(result, lambda a: a.detach() if isinstance(a, torch.Tensor) else a)

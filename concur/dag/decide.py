@@ -87,20 +87,23 @@ class TimedRounds(list):
         self.others = others
 
 
-def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_us: float | None = None
-                   ) -> schedulers.Schedule:
+def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_us: float | None = None,
+                   memory_budget: int | None = None) -> schedulers.Schedule:
     """Return ``dag`` scheduled on up to ``streams`` streams, in clusters worth ``cluster_cost_us`` each.
 
     Fused kernels come by the hundred around a few heavy ones, so the
     backend's routes coarsen first (:func:`schedulers.coarsen`: one cluster
     per branch, none cheaper than ``cluster_cost_us``) and expand the
     cluster schedule back; ``None`` schedules node by node (the fx path,
-    whose code generator places each op's events itself).
+    whose code generator places each op's events itself). With
+    ``memory_budget`` (bytes, :mod:`concur.dag.memory`) the critical-path
+    scheduler keeps the streams' memory within it (:mod:`schedulers.memory`).
     """
+    kw = {} if memory_budget is None or scheduler != "critical_path" else {"memory_budget": memory_budget}
     if cluster_cost_us is None:
-        return schedulers.schedule(dag, streams, scheduler)
+        return schedulers.schedule(dag, streams, scheduler, **kw)
     coarse = schedulers.coarsen(dag, min_cost=cluster_cost_us)
-    return schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, streams, scheduler))
+    return schedulers.expand(dag, coarse, schedulers.schedule(coarse.dag, streams, scheduler, **kw))
 
 
 def stream_counts(streams: int | str | Sequence[int]) -> tuple[int, ...]:
@@ -111,7 +114,8 @@ def stream_counts(streams: int | str | Sequence[int]) -> tuple[int, ...]:
 
 
 def distinct_schedules(dag: nx.DiGraph, counts: Sequence[int], scheduler: str,
-                       cluster_cost_us: float | None = None) -> list[schedulers.Schedule]:
+                       cluster_cost_us: float | None = None, memory_budget: int | None = None
+                       ) -> list[schedulers.Schedule]:
     """Return :func:`schedule_graph` of ``dag`` on each of ``counts`` streams, schedules that coincide once.
 
     The candidates :func:`choose` weighs: a graph of two branches schedules
@@ -119,7 +123,7 @@ def distinct_schedules(dag: nx.DiGraph, counts: Sequence[int], scheduler: str,
     """
     distinct: dict[tuple, schedulers.Schedule] = {}
     for k in counts:
-        s = schedule_graph(dag, k, scheduler, cluster_cost_us)
+        s = schedule_graph(dag, k, scheduler, cluster_cost_us, memory_budget)
         distinct.setdefault((tuple(s.order), tuple(sorted(s.stream.items(), key=repr))), s)
     return list(distinct.values())
 

@@ -44,15 +44,19 @@ def facts(node: fx.Node) -> NodeFacts:
 def build_dag(graph: fx.Graph) -> nx.DiGraph:
     """Return the DAG of operation nodes with ``kind="data"`` and ``kind="hazard"`` edges.
 
-    Node attributes: ``target`` (a readable name of the op), ``facts``, and
+    Node attributes: ``target`` (a readable name of the op), ``facts``,
     ``trivial`` (``facts.no_arithmetic``: the schedulers keep such an op with
-    its producer or consumer, see :func:`schedulers.attach_trivial`). Costs
-    are added later by :mod:`concur.dag.cost`.
+    its producer or consumer, see :func:`schedulers.attach_trivial`), and for
+    memory-aware schedules (:mod:`schedulers.memory`) ``bytes`` (what the op
+    allocates) and ``held`` (its output lives to the end: saved for backward,
+    or an output of the graph). Costs are added later by :mod:`concur.dag.cost`.
     """
     dag = nx.DiGraph()
     ops = operation_nodes(graph)
+    returned = {u for n in graph.nodes if n.op == "output" for u in n.all_input_nodes}
     for n in ops:
-        dag.add_node(n.name, target=describe(n), facts=facts(n), trivial=facts(n).no_arithmetic)
+        dag.add_node(n.name, target=describe(n), facts=facts(n), trivial=facts(n).no_arithmetic,
+                     bytes=facts(n).alloc_bytes, held=facts(n).saved or n in returned)
     for n in ops:
         for u in n.all_input_nodes:
             if u.op in OP_KINDS:

@@ -19,6 +19,7 @@ from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.dag.calibration import calibration_for
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
+from concur.dag.memory import plan_budget
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
 from concur.fx.decision import PendingChoice, decision_key, plan_timer
@@ -121,7 +122,9 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         traced, dag = analyse(self.original, inputs, o["cost_model"], o["leaf_modules"])
         self._adopt_constants(traced)
         prologue, scheduled = split_prologue(dag)
-        schedules = decide.distinct_schedules(scheduled, decide.stream_counts(o["streams"]), o["scheduler"])
+        budget = plan_budget(scheduled, cuda_device(self.original, inputs))
+        schedules = decide.distinct_schedules(scheduled, decide.stream_counts(o["streams"]), o["scheduler"],
+                                              memory_budget=budget)
         candidates = [s for s in schedules if s.num_streams > 1]
         if not candidates:
             return generate_plan(self.original, traced, dag, prologue, schedules[0], o["split_weight_grads"])

@@ -18,6 +18,7 @@ from concur.dag import decide
 from concur.dag.annotate import OpFailed, annotate, cuda_device_in, preserved_state, tensors_in
 from concur.dag.cost import AnalyticCost, CostModel, assign_costs, roofline_for
 from concur.dag.hazards import build_dag, is_free_source
+from concur.dag.memory import plan_budget
 from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
 from concur.fx.capture import LeafSpec, trace
 from concur.fx.codegen import event_count, generate
@@ -66,11 +67,19 @@ def analyse(model: torch.nn.Module, example_inputs: tuple, cost_model: CostModel
             leaf_modules: LeafSpec = ()) -> tuple[fx.GraphModule, nx.DiGraph]:
     """Return the traced GraphModule and its costed dependency DAG."""
     traced = trace(model, leaf_modules)
+    # a training step's forward: which outputs autograd saves for backward (memory-aware plans)
+    saved = model.training and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     try:
-        annotate(traced, example_inputs)
+        annotate(traced, example_inputs, saved=saved)
         failure = None
     except OpFailed as exc:
         failure = exc
+    if failure is not None and saved:  # recording autograd's graph is what failed: annotate as without it
+        try:
+            annotate(traced, example_inputs)
+            failure = None
+        except OpFailed as exc:
+            failure = exc
     if failure is not None:  # raised outside the handler, so the chain is what is set here
         error = explain_failure(model, example_inputs, failure)
         if error is failure.cause:
@@ -175,13 +184,16 @@ def split_prologue(dag: nx.DiGraph) -> tuple[frozenset[str], nx.DiGraph]:
     return prologue, dag.subgraph(n for n in dag if n not in prologue).copy()
 
 
-def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str) -> tuple[frozenset[str], nx.DiGraph, Schedule]:
+def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str, device: torch.device | None = None
+                 ) -> tuple[frozenset[str], nx.DiGraph, Schedule]:
     """Return (the prologue, the DAG without it, its schedule on up to ``streams`` streams).
 
-    Ops are scheduled one by one (:func:`concur.dag.decide.schedule_graph`).
+    Ops are scheduled one by one (:func:`concur.dag.decide.schedule_graph`), within the memory budget of
+    :func:`concur.dag.memory.plan_budget` (``device``: what is free there).
     """
     prologue, scheduled = split_prologue(dag)
-    return prologue, scheduled, decide.schedule_graph(scheduled, streams, scheduler)
+    return prologue, scheduled, decide.schedule_graph(scheduled, streams, scheduler,
+                                                      memory_budget=plan_budget(scheduled, device))
 
 
 def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGraph, prologue: frozenset[str],
@@ -226,5 +238,5 @@ def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, sche
         PlanError: the schedule or the generated code violates a dependency (a concur bug).
     """
     traced, dag = analyse(model, example_inputs, cost_model, leaf_modules)
-    prologue, _, schedule = schedule_ops(dag, streams, scheduler)
+    prologue, _, schedule = schedule_ops(dag, streams, scheduler, cuda_device(model, example_inputs))
     return generate_plan(model, traced, dag, prologue, schedule, split_weight_grads)

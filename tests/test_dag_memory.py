@@ -1,0 +1,93 @@
+"""Memory-aware plans on the fx path: what each op allocates and which outputs autograd saves (annotate), and the
+budget the plan keeps to (concur.dag.memory), on CPU against the plan scheduled without it."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import concur
+from concur.dag import decide
+from concur.dag import memory as dag_memory
+from concur.dag.annotate import annotate
+from concur.fx.plan import analyse, split_prologue
+from schedulers.memory import peak_bytes
+
+
+class ConvBnRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x))).sum()
+
+
+class TwoTowers(nn.Module):
+    """Two towers of wide layers on one stem: each tower's temporaries are alive together on its own stream."""
+
+    def __init__(self, width=256, depth=4):
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.towers = nn.ModuleList(nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]) for _ in "ab")
+        self.head = nn.Linear(2 * width, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
+
+
+def facts_by_target(gm: fx.GraphModule) -> dict[str, object]:
+    return {str(n.target): n.meta["concur"] for n in gm.graph.nodes if "concur" in n.meta}
+
+
+def test_annotate_says_what_each_op_allocates_and_which_outputs_autograd_saves():
+    model = ConvBnRelu().train()
+    gm = fx.symbolic_trace(model)
+    x = torch.randn(2, 3, 5, 5)
+    annotate(gm, (x,), saved=True)
+    facts = facts_by_target(gm)
+    assert facts["conv"].alloc_bytes == 2 * 4 * 5 * 5 * 4
+    assert facts["conv"].saved, "BatchNorm saves its input"
+    relu = next(f for t, f in facts.items() if "relu" in t)
+    assert relu.saved, "relu saves its output"
+    assert not facts["bn"].saved, "relu does not save its input"
+    annotate(gm, (x,))  # without gradients: nothing is saved, sizes are the same
+    assert not any(f.saved for f in facts_by_target(gm).values())
+    assert facts_by_target(gm)["conv"].alloc_bytes == facts["conv"].alloc_bytes
+
+
+def test_a_training_forward_is_held_where_autograd_saves_it_and_an_eval_one_is_not():
+    model = TwoTowers()
+    x = torch.randn(8, 16)
+    _, train_dag = analyse(model.train(), (x,))
+    _, eval_dag = analyse(model.eval(), (x,))
+    held = lambda dag: {v for v, h in dag.nodes(data="held") if h}  # noqa: E731
+    assert len(held(train_dag)) > len(train_dag) // 2 and len(held(eval_dag)) == 1  # the output alone
+    assert all(b > 0 for v, b in eval_dag.nodes(data="bytes") if "towers" in v)
+
+
+def test_an_eval_plan_keeps_its_streams_memory_within_the_budget(monkeypatch):
+    """Without a budget the two towers run side by side and need more memory than one stream; with it the plan
+    keeps within 1.05x of the one-stream program's peak, still on two streams where that fits."""
+    model = TwoTowers().eval()
+    x = torch.randn(64, 16)
+    _, dag = analyse(model, (x,))
+    _, scheduled = split_prologue(dag)
+    budget = dag_memory.plan_budget(scheduled, None)
+    assert budget == int(dag_memory.one_stream_peak(scheduled) * dag_memory.FACTOR)
+    free = decide.schedule_graph(scheduled, 2, "critical_path")
+    assert peak_bytes(scheduled, free.order, free.stream) > budget
+    plan = concur.optimize(model, (x,), streams=2, measure=False).plan
+    assert peak_bytes(scheduled, plan.schedule.order, plan.schedule.stream) <= budget
+    monkeypatch.setattr("concur.fx.module.plan_budget", lambda dag, device: None)
+    unbounded = concur.optimize(model, (x,), streams=2, measure=False).plan
+    assert peak_bytes(scheduled, unbounded.schedule.order, unbounded.schedule.stream) > budget
+
+
+def test_the_budget_never_exceeds_what_the_device_has_free(monkeypatch):
+    model = TwoTowers().eval()
+    _, dag = analyse(model, (torch.randn(8, 16),))
+    monkeypatch.setattr(dag_memory, "free_bytes", lambda device: 0)
+    assert dag_memory.plan_budget(dag, None) == dag_memory.one_stream_peak(dag)
