@@ -11,6 +11,7 @@
 #   speed      experiments/recipes.sh SPEED_PARTS (default "a": three CNNs at b8 and b64, bf16, fused against
 #              PyTorch's compile + whole-step-graph recipe) over OUT/speed/run; summary in OUT/speed/run/summary.md
 #   memory     python -m experiments.memory (the memory-pressure benchmark) --out OUT/memory [--jobs MEMORY_JOBS]
+#              [MEMORY_ARGS, e.g. "--paths unfused": a part of the grid]
 #   zoo        experiments/zoo.sh ZOO_PART (default z4: the three torchvision CNNs; z1 z2 z3 the timm networks,
 #              u1 u2 unfused) over OUT/zoo/run; the table in OUT/zoo/run/zoo_table.md
 #   ddp        tests/test_gpu_ddp.py, then with two GPUs or more experiments/ddp_train.py --compare, eager and
@@ -77,7 +78,7 @@ for step in "$@"; do
            done
            end_parallel "$dir" "$results" ;;
     speed) DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) OUT=$dir bash "$(dirname "$0")/recipes.sh" "$dir/run" ${SPEED_PARTS:-a} ;;
-    memory) python3 -m experiments.memory --out "$dir" ${MEMORY_JOBS:+--jobs $MEMORY_JOBS} 2>&1 \
+    memory) python3 -m experiments.memory --out "$dir" ${MEMORY_JOBS:+--jobs $MEMORY_JOBS} ${MEMORY_ARGS:-} 2>&1 \
               | tee "$dir/memory.log" | grep -v "Warning" | tail -30 ;;
     zoo) DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) OUT=$dir bash "$(dirname "$0")/zoo.sh" "$dir/run" ${ZOO_PART:-z4} ;;
     ddp) python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_ddp.py 2>&1 | tee "$dir/test_gpu_ddp.log" \

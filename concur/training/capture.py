@@ -134,6 +134,7 @@ def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, s
         except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
             failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
+        step.capture_log.failures += 1
         step._trial = None
         step._runner.failed()
         step.step_decisions.append(step._module(streams).settle(None, failure))
