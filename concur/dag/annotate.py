@@ -220,10 +220,21 @@ class _Annotator(ShapeProp):
         self._failure: Exception | None = None
         self.saved_keys: set[Hashable] = set()  # storages autograd saved for backward so far
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """``saved_tensors_hooks``' pack: note the storage autograd saves, keep the tensor as it is."""
-        self.saved_keys.add(self.storage_key(t))
-        return t
+    def pack(self, t: torch.Tensor) -> Hashable:
+        """``saved_tensors_hooks``' pack: note the storage autograd saves, and keep its key instead of it.
+
+        Nothing runs backward on this graph, so nothing needs the tensor: the
+        run holds no more memory than one without gradients, and no cycle
+        forms (an op that saves its own output, kept as it is, would hold
+        itself through its ``grad_fn``, out of the collector's sight).
+        """
+        key = self.storage_key(t)
+        self.saved_keys.add(key)
+        return key
+
+    @staticmethod
+    def unpack(key: Hashable) -> torch.Tensor:
+        raise RuntimeError("concur's annotation run records which tensors autograd saves; it runs no backward")
 
     def _guarded(self, run: Any, target: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -304,15 +315,15 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, saved: bool = False) -> 
     records autograd's graph, as a training step's forward does, and notes
     which outputs autograd saves for backward (:attr:`NodeFacts.saved`):
     those stay alive to the start of backward, the step's peak of memory.
-    It holds a forward's activations until it returns; without ``saved`` it
-    runs without gradients.
+    It keeps none of them (each is noted and dropped, as in a run without
+    gradients); without ``saved`` it runs without gradients.
     """
     inputs = tuple(map_aggregate(x, lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a)
                    for x in example_inputs)
     devices = {t.device for t in tensors_in(inputs)} | {p.device for p in gm.parameters()}
     annotator = _Annotator(gm, devices)
     recording = torch.enable_grad() if saved else torch.no_grad()
-    hooks = torch.autograd.graph.saved_tensors_hooks(annotator.pack, lambda t: t) if saved \
+    hooks = torch.autograd.graph.saved_tensors_hooks(annotator.pack, annotator.unpack) if saved \
         else contextlib.nullcontext()
     with preserved_state(gm, devices), recording, hooks:
         result = annotator.propagate(*inputs)
