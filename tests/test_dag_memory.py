@@ -70,6 +70,7 @@ def test_a_training_forward_is_held_where_autograd_saves_it_and_an_eval_one_is_n
 def test_an_eval_plan_keeps_its_streams_memory_within_the_budget(monkeypatch):
     """Without a budget the two towers run side by side and need more memory than one stream; with it the plan
     keeps within 1.05x of the one-stream program's peak, still on two streams where that fits."""
+    monkeypatch.setattr(dag_memory, "FLOOR", 0)  # past the floor, as with tensors of megabytes
     model = TwoTowers().eval()
     x = torch.randn(64, 16)
     _, dag = analyse(model, (x,))
@@ -90,6 +91,13 @@ def test_the_budget_never_exceeds_what_the_device_has_free(monkeypatch):
     _, dag = analyse(model, (torch.randn(8, 16),))
     monkeypatch.setattr(dag_memory, "free_bytes", lambda device: 0)
     assert dag_memory.plan_budget(dag, None) == dag_memory.one_stream_peak(dag)
+
+
+def test_a_plan_of_small_tensors_may_take_a_segment_more_than_the_factor_allows():
+    """Tensors of a few KB: the allocator's segments are 2 MiB, so the budget is the floor above the peak."""
+    _, dag = analyse(TwoTowers().eval(), (torch.randn(8, 16),))
+    peak = dag_memory.one_stream_peak(dag)
+    assert dag_memory.plan_budget(dag, None) == peak + dag_memory.FLOOR
 
 
 def test_recording_which_outputs_are_saved_keeps_no_activation_alive():

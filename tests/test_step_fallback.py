@@ -195,3 +195,23 @@ def test_status_before_the_first_call_and_without_graphs(monkeypatch):
     step(x, y)
     assert step.status.mode == "eager" and step.status.captures == 0  # CPU: no graphs
 
+
+
+def test_a_capture_that_ran_out_of_memory_and_then_failed_at_its_end_is_told_as_out_of_memory(monkeypatch):
+    """Out of memory mid-capture on a side stream fails the capture at its end ("capturing stream has unjoined
+    work"), raised while the allocator's error is handled: the cause is memory, so no retry, and the warning says
+    what was missing."""
+    def unjoined():
+        try:
+            raise torch.OutOfMemoryError(OOM)
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: capturing stream has unjoined work")
+
+    try:
+        unjoined()
+    except RuntimeError as exc:
+        error = exc
+    runner = FailingGraphs([error])
+    step, said = run(monkeypatch, runner, make_batches(4))
+    assert step.failed_streams == {2} and len(runner.attempts) == 2, "no retry of a capture out of memory"
+    assert len(said) == 1 and "does not fit in memory" in said[0] and "20.00 MiB" in said[0]

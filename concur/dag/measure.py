@@ -127,11 +127,20 @@ def replay_rounds(programs: Sequence[Callable[[], Any]], device: torch.device, r
                 for program in programs:
                     program()
         capture_stream = work if capture_stream is None else capture_stream
+        failure = None
         try:
             times = _timed_rounds(programs, rounds, replays, capture_stream, settled)
-        finally:
-            # the graphs are gone (the pool's last users): give its blocks back to the device
-            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once what it held is given back
+            failure = _without_frames(exc)
+        if failure is not None:
+            # the failed graphs and their tensors lived in the frames of its traceback: with those gone, a
+            # capture the driver invalidated is cleaned up now, not at the next capture (after a warm-up that
+            # would run beside its pool)
+            settle_failed_captures()
+        # the graphs are gone (the pool's last users): give its blocks back to the device
+        torch.cuda.empty_cache()
+        if failure is not None:
+            raise failure
         caller.wait_stream(work)
         caller.wait_stream(capture_stream)
         return decide.TimedRounds(times, others_timing_beside(device))
@@ -238,6 +247,17 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     finally:
         if collecting:
             gc.enable()
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with the tracebacks of its whole chain dropped: their frames hold what failed (graphs, tensors)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 def settle_failed_captures() -> int:

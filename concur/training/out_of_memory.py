@@ -30,6 +30,8 @@ def shortfall(exc: BaseException) -> str:
     >>> shortfall(RuntimeError("CUDA error: out of memory"))
     'CUDA error: out of memory'
     """
+    while not _REQUEST.search(str(exc)) and (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # the allocator's error, where a capture's end raised another
     text = str(exc)
     request, free, limit = (m.group(1) if m else None for m in (_REQUEST.search(text), _FREE.search(text),
                                                                  _LIMIT.search(text)))
