@@ -197,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             m = copy.deepcopy(reference)
             step = train_step(m, loss_fn, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), (x, y),
                               streams=streams, scheduler=args.scheduler)
-            print(f"training step, {label}: {time_cuda_ms(lambda: step(x, y))[0]:.2f} ms")
+            print(f"training step, {label}: {time_cuda_ms(lambda: step(x, y))[0]:.2f} ms ({step.status})")
     else:
         print("no GPU here: the plan ran in its issue order on the CPU; timings need CUDA.")
     return 0 if ok else 1

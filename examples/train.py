@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
         train_loss = torch.stack(losses).mean().item()  # one host sync per epoch, not per step
         val_loss, val_acc = evaluate(model, val_loader, device, amp)
         seconds = time.perf_counter() - t0  # after the .item()s above: the device's work is done
+        if epoch == start:  # how the step runs: captured or eagerly, on how many streams, and why
+            print(f"step: {step.status}")
         print(f"epoch {epoch + 1}/{args.epochs}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
               f"val acc {val_acc:.3f}  lr {scheduler.get_last_lr()[0]:.4f}  {_seconds(seconds)}")
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc,

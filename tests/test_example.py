@@ -31,8 +31,11 @@ def test_the_documented_run_learns_and_times_its_epochs(example, tmp_path, monke
     run = example.main(["--small", "--epochs", "2"])  # as the README and the docstring say
     accuracy = [h["val_acc"] for h in run["history"]]
     assert accuracy[-1] > 6 * CHANCE, f"the documented run does not learn: val acc {accuracy}"
-    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    out = capsys.readouterr().out.splitlines()
+    printed = [line for line in out if line.startswith("epoch ")]
     assert len(printed) == 2
+    status = [line for line in out if line.startswith("step: ")]
+    assert status == [f"step: {run['step'].status}"] and "eager" in status[0]  # a CPU run says it is not captured
     for line, h in zip(printed, run["history"]):
         value, unit = re.search(r"  (\d+(?:\.\d)?) (ms|s)$", line).groups()
         shown = float(value) / (1000 if unit == "ms" else 1)

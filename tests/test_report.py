@@ -187,3 +187,13 @@ def test_utilization_plot_gives_a_phase_one_colour_in_every_panel(tmp_path, monk
     colour = lambda ax, label: next(line.get_color() for line in ax.get_lines() if line.get_label() == label)  # noqa: E731
     assert colour(util, "second") == colour(clock, "second") == colour(memory, "second") == "C1"
     assert "device memory" in memory.get_ylabel()
+
+
+def test_each_trial_says_how_its_step_ran(report):
+    """The tuner notes each trial's TrainStep.status ("runs ..."): the report shows it beside the trial's time."""
+    out, html_path, data = report
+    trial = data["cases"][0]["tuner"]["trials"][0]
+    assert trial["runs"] == "captured, 1 stream (1 capture)"
+    parser = Cells()
+    parser.feed(html_path.read_text())
+    assert ("cases.0.tuner.trials.0.runs", "captured, 1 stream (1 capture)") in parser.cells

@@ -255,6 +255,7 @@ def test_tune_train_step_trains_copies_and_leaves_model_optimizer_and_rng_alone(
     assert [t.config for t in result.trials] == [Config(1), Config(2), Config(3), Config(2, "fork")]
     assert result.config == Config(2) and len(calls) == 4 and all(10 <= r <= 50 for r in calls)
     assert any("no CUDA" in n for n in result.measurement.notes)  # train_step's warning is kept, not shown
+    assert result.measurement.notes[0].startswith("runs eager")  # how the trial's step ran (TrainStep.status)
     after = (model.state_dict(), opt.state_dict())
     for k, v in before[0].items():
         assert torch.equal(v, after[0][k]), k

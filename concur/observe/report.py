@@ -65,7 +65,8 @@ def case_data(case: Case, run_dir: Path) -> dict:
                    tuner_s=tuner.get("seconds"), lever=tuner.get("lever"),
                    eager_utilization=tuner.get("eager_utilization"))
     trials = [dict(label=_config_label(t["config"]), median_ms=(t["measurement"] or {}).get("median_ms"),
-                   iqr_ms=(t["measurement"] or {}).get("iqr_ms"), seconds=t["seconds"], error=t["error"])
+                   iqr_ms=(t["measurement"] or {}).get("iqr_ms"), seconds=t["seconds"], error=t["error"],
+                   runs=_runs((t["measurement"] or {}).get("notes", ())))
               for t in tuner.get("trials", [])]
     data = dict(name=case.name, model=case.model, batch=case.batch, summary=summary, variants=variants,
                 tuner=dict(chosen=_config_label(tuner["config"]) if tuner else None, stopped=tuner.get("stopped"),
@@ -97,6 +98,11 @@ def _parsed(path: Path) -> TraceSummary:
     """Parse a trace once per report (the numbers and the Gantt chart both need it)."""
     st = path.stat()
     return _parsed_cached(str(path), st.st_mtime_ns, st.st_size)
+
+
+def _runs(notes: Any) -> str | None:
+    """How a trial's step ran (``TrainStep.status``, which the tuner notes as "runs ..."), where it says."""
+    return next((n[len("runs "):] for n in notes if isinstance(n, str) and n.startswith("runs ")), None)
 
 
 def _scale(us: float | None) -> float | None:
@@ -285,7 +291,7 @@ VARIANT_COLUMNS = [("label", "variant", "s"), ("streams", "streams", "int"), ("s
                    ("median_ms", "median ms", "ms"), ("iqr_ms", "IQR ms", "ms"), ("vs_serial", "vs serial graph", "x"),
                    ("vs_eager", "vs eager", "x"), ("peak_mb", "peak MB", "int"), ("error", "error", "s")]
 TRIAL_COLUMNS = [("label", "trial", "s"), ("median_ms", "median ms", "ms"), ("iqr_ms", "IQR ms", "ms"),
-                 ("seconds", "seconds", "f2"), ("error", "error", "s")]
+                 ("seconds", "seconds", "f2"), ("runs", "runs", "s"), ("error", "error", "s")]
 PHASE_COLUMNS = [("label", "phase", "s"), ("seconds", "seconds", "f2"), ("utilization", "GPU util", "pct"),
                  ("utilization_samples", "util samples", "int"), ("sm_clock_mhz", "SM clock MHz", "int"),
                  ("power_w", "power W", "int"), ("memory_used_mb", "memory used MB", "int")]

@@ -334,6 +334,11 @@ def tune_train_step(model: Any, loss_fn: Callable, optimizer: Any, example_batch
             step(inputs, targets)  # captures the graph
             sync()
         notes = list(dict.fromkeys(str(w.message).splitlines()[0][:200] for w in caught))
+        status = getattr(step, "status", None)  # how the step runs: captured or eager, streams, why
+        if status is not None:
+            notes.insert(0, f"runs {status}")
+            if on_cuda and config.cuda_graph and not status.captured:
+                raise RuntimeError(f"train_step fell back to eager instead of {config.streams} streams: {status.why}")
         graphs = getattr(step, "graphs", None)
         if on_cuda and config.cuda_graph and isinstance(graphs, dict):
             got = [getattr(g, "streams", config.streams) for g in graphs.values()]
