@@ -184,9 +184,7 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
     by default every such buffer freed in it stays held until the capture
     ends, where one stream would reuse it. With the option on, the allocator
     reuses a block once the captured graph orders its readers before the new
-    writer: on the H100 a fused step then held 3066 MB instead of 3408
-    (Inception-v3 b32; the recipe 2242) and 466 instead of 534 (GoogLeNet b8;
-    the recipe 414; experiments/RESULTS.md). It is switched on for the block only, and left
+    writer, so a multi-stream step holds less. It is switched on for the block only, and left
     alone where the user's allocator configuration names it, under another
     allocator backend, or where this torch does not know it (nothing changes).
     """

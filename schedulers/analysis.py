@@ -45,10 +45,9 @@ def predicted_speedups(
 
     With ``contention=True`` the scheduled makespan comes from
     `simulate_shared`: concurrent kernels share the device by their nodes'
-    ``share`` attributes instead of each running as if alone: for 8 branches
-    of 32 channels at batch 32 on an H100 it predicts 1.45x (3.29x without
-    contention) against 1.67x measured (experiments/RESULTS.md, gain vs branch
-    count). Extra keywords
+    ``share`` attributes instead of each running as if alone, which brings
+    the prediction of wide branchy graphs near what is measured (the
+    prediction's error is in experiments/RESULTS.md). Extra keywords
     (such as `sync_cost`) go to the scheduler. A graph with no cost at all has
     speedup 1.
     """

@@ -216,7 +216,7 @@ def test_registration_hooks_live_only_while_a_step_needs_them():
         assert not REGISTRATIONS.hooked
 
 
-def test_a_saved_step_keeps_its_arguments_by_name_and_loads_the_old_positional_form():
+def test_a_saved_step_keeps_its_format_and_arguments_by_name_and_loads_format_1():
     import pickle
 
     model = WideNet(branches=2)
@@ -229,9 +229,12 @@ def test_a_saved_step_keeps_its_arguments_by_name_and_loads_the_old_positional_f
     assert loaded.accumulate == 3 and loaded.requested_streams == 2
     from concur.training.step import _ARGUMENTS, TrainStep
 
-    old = TrainStep.__new__(TrainStep)  # a step saved before arguments were saved by name: a positional tuple
+    assert state["format"] == 2
+    old = TrainStep.__new__(TrainStep)  # format 1, with no format field: the arguments as a positional tuple
     old.__setstate__({"arguments": tuple(state["arguments"][name] for name in _ARGUMENTS), "micro": 1})
     assert old.accumulate == 3 and old.requested_streams == 2 and old.micro == 1
+    with pytest.raises(ValueError, match="saved by a newer concur .format 3"):
+        TrainStep.__new__(TrainStep).__setstate__({**state, "format": 3})
 
 
 def test_the_unfused_plan_is_annotated_and_timed_in_the_steps_precision(monkeypatch):

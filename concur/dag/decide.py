@@ -28,7 +28,7 @@ within ``margin`` of it, against one stream as above; without a timer, the
 fewest streams predicted within :data:`PREDICTED_TIE` of the best.
 
 The prediction is only a filter: on networks it was never tuned for it is off
-by 20-50% (issue 29), so where a GPU can time both programs, the measurement
+by 20-50% (experiments/RESULTS.md), so where a GPU can time both programs, the measurement
 decides, and equal times keep one stream. The timer is passed in (on CUDA:
 :func:`concur.dag.measure.alternating_replays`), so this module stays pure and
 is tested with faked timings. Each decision logs one INFO line on the

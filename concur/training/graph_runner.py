@@ -12,9 +12,8 @@ its plans) are captured on the same stream but never in the step's pool:
 each timing has a pool of its own, given back when it ends
 (:func:`concur.dag.measure.replay_rounds`). In the step's pool, what the
 candidates left there (the blocks of a dropped plan's side streams, a pool
-grown to the largest candidate) stayed reserved for as long as the step
-lived: on the H100 an unfused ResNet-50 b32 whose plan was dropped held
-4084 MB against the recipe's 1920 (experiments/RESULTS.md).
+grown to the largest candidate) would stay reserved for as long as the step
+lives.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ from concur.training.status import CaptureLog, StepStatus
 from concur.training.step_streams import decide_step_streams
 from concur.training.trial import StepTrial, several_ranks
 
-# train_step's arguments by name; also the order in which steps pickled before 2026-11-24 saved them
+FORMAT = 2  # of a saved step: 1 held the arguments as a tuple, 2 by name
+# train_step's arguments by name; also the order in which a saved step of format 1 (a tuple) holds them
 _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
               "warmup", "compile", "amp_dtype", "grad_scaler", "compile_options", "accumulate", "before_step",
               "stream_priority", "split_weight_grads")
@@ -161,11 +162,16 @@ class TrainStep:
         process and device, and none of them can be pickled; a loaded step builds them again from
         its arguments, as a new ``train_step`` would (its first call captures).
         """
-        return {"arguments": dict(self._arguments), "micro": self.micro}
+        return {"format": FORMAT, "arguments": dict(self._arguments), "micro": self.micro}
 
     def __setstate__(self, state: dict) -> None:
+        saved_format = state.get("format", 1)
+        if saved_format > FORMAT:
+            raise ValueError(f"concur.train_step: this step was saved by a newer concur (format {saved_format}; "
+                             f"this one reads up to {FORMAT}). Upgrade concur, or build the step again with "
+                             "train_step(...) and load the model's and optimizer's state_dict.")
         arguments = state["arguments"]
-        if isinstance(arguments, tuple):  # saved before arguments were saved by name
+        if isinstance(arguments, tuple):  # format 1: the arguments in order
             arguments = dict(zip(_ARGUMENTS, arguments))
         with warnings.catch_warnings():  # the saved step warned about its setup already
             warnings.simplefilter("ignore")
@@ -354,9 +360,8 @@ class TrainStep:
 
         In a new pool: the trial's pool holds the blocks of every program
         (the one-stream program's, and the others' side-stream blocks), which
-        the chosen one alone would keep reserved for the life of the step
-        (GoogLeNet b8: 630 MB against 538; b64: 3128 against the recipe's
-        2174, experiments/RESULTS.md). The capture warms up once.
+        the chosen one alone would keep reserved for the life of the step.
+        The capture warms up once.
         """
         rounds = trial.decided()
         if rounds is None:
@@ -432,8 +437,8 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     ``stream_priority=True`` (the default) captures the step on a stream of
     the highest priority, where every plan keeps its critical path; side
     streams keep the default, lowest priority, so their kernels yield SMs to
-    the path's (on the H100 0.1-3.4% faster fused steps, never slower:
-    experiments/RESULTS.md). ``False`` captures on an ordinary stream.
+    the path's (measured faster or equal, never slower: experiments/RESULTS.md).
+    ``False`` captures on an ordinary stream.
 
     ``compile=True`` runs the model through ``torch.compile`` with the concur
     backend (:mod:`concur.inductor.backend`): inductor's fused kernels on the streams,

@@ -2,8 +2,8 @@
 
 Each forward and backward graph decides alone, at its first call
 (:mod:`concur.dag.decide`). On small networks a graph's gain measured alone
-need not survive in the step: ViT-S's forward measured 1.29x faster on
-streams alone, and the step with it ran 2% slower (experiments/RESULTS.md).
+need not survive in the step: a forward measured faster on streams alone
+can make the step slower (the measured cases are in experiments/RESULTS.md).
 So before ``train_step(compile=True)`` captures a step whose graphs kept
 several streams, it times forward, loss and backward captured with every new plan
 against the same with inductor's own call in each plan's place. Both come

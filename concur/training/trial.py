@@ -2,9 +2,8 @@
 
 Timing a plan before the step (:mod:`concur.fx.decision`) captures each
 program's forward and backward in a graph of its own, warms each up and
-replays each a few dozen times: on the H100 it added 0.5-0.6 s to a setup of
-1.1-1.4 s (unfused GoogLeNet and ResNet-50 at b32, experiments/RESULTS.md),
-where issue 29 allows 10%. Here each program is captured once, as the whole
+replays each a few dozen times: about half again a setup's time, where the
+measured decisions may add at most 10%. Here each program is captured once, as the whole
 step it would be: the capture the step makes anyway, and one more per other
 program. The first calls then replay the programs in turn, each a real
 training step (all of them compute the same step from the same parameters,
