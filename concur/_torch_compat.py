@@ -437,7 +437,7 @@ def op_counts_no_flops(target: object) -> bool:
     return target.overloadpacket not in flop_registry and not decomposes
 
 
-# --- Memory formats, read by concur.inductor.weight_grads ------------------------------------------
+# --- Memory formats, read by concur.inductor.backward_split ------------------------------------------
 
 
 def _c10_strides_like_channels_last(sizes: torch.Size, strides: tuple[int, ...]) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from concur.dag.annotate import RNG, annotate, statically_mutated_args
 from concur.dag.hazards import operation_nodes
-from concur.fx.capture import trace
+from concur.fx.trace import trace
 
 
 class Mutations(nn.Module):

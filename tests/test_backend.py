@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import concur
 from concur.dag.cost import Roofline
-from concur.inductor.backend import CompiledGraphInfo, concur_backend
+from concur.inductor.stream_backend import CompiledGraphInfo, concur_backend
 from tests.conftest import assert_close_rel, flat_tensors
 from tests.models import BufferMutation, DropoutBranches, InplaceHazard, WideNet
 
@@ -279,7 +279,7 @@ def test_backend_is_found_through_its_entry_point_without_importing_concur():
             "print(fn.__module__, fn.__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["concur.inductor.backend", "concur_backend"]
+    assert out.stdout.split()[-2:] == ["concur.inductor.stream_backend", "concur_backend"]
 
 
 # ---------------------------------------------------------------- fallbacks and errors

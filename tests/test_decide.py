@@ -250,8 +250,8 @@ def test_the_wrapper_routes_key_names_the_options_that_change_the_program_timed(
     import torch
 
     import concur
-    from concur.inductor import backend as backend_module
-    from concur.inductor.backend import BackendOptions, ConcurBackend
+    from concur.inductor import stream_backend as backend_module
+    from concur.inductor.stream_backend import BackendOptions, ConcurBackend
 
     monkeypatch.setattr(backend_module, "can_time", lambda device: True)
     monkeypatch.setattr(backend_module, "environment", lambda device: ("H100", "2.11", "13.0"))

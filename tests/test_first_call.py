@@ -273,7 +273,7 @@ NO_MERGE = Roofline("slow-no-overhead", flops_per_us=1e3, bytes_per_us=1e2, kern
 
 
 def backend_timing(monkeypatch, rounds) -> FakeReplays:
-    import concur.inductor.backend as backend
+    import concur.inductor.stream_backend as backend
 
     monkeypatch.setattr(backend, "can_time", lambda device: True)
     return fake_replays(monkeypatch, rounds)

@@ -143,7 +143,7 @@ def test_shims_keep_old_names_working():
     assert _rebuild is moved
     importlib.import_module("concur.backend")  # what the torch_dynamo_backends entry point loads
     assert callable(concur.backend) and not inspect.ismodule(concur.backend)
-    assert concur.backend is importlib.import_module("concur.inductor.backend").backend
+    assert concur.backend is importlib.import_module("concur.inductor.stream_backend").backend
 
 
 # -- one door to torch's private names ---------------------------------------------------------------
@@ -156,11 +156,11 @@ PRIVATE_ALLOWED = {
     ("concur.training.captured_optim", "_foreach_*"): "torch's multi-tensor ops (aten ops bound as torch._foreach_*), "
                                                        "what torch.optim's own foreach steps call",
     ("concur.training.step_body", "_foreach_zero_"): "torch's multi-tensor zero, as torch.optim's zero_grad calls it",
-    ("concur.fx.capture", "_getframe"): "Python's sys._getframe, not torch's: the first caller outside concur, "
+    ("concur.fx.trace", "_getframe"): "Python's sys._getframe, not torch's: the first caller outside concur, "
                                         "for a warning's stacklevel",
-    ("concur.fx.capture", "_leaf_modules"): "timm's, not torch's: its fx registry where timm has no "
+    ("concur.fx.trace", "_leaf_modules"): "timm's, not torch's: its fx registry where timm has no "
                                             "get_notrace_modules(); absent reads as none",
-    ("concur.fx.capture", "_autowrap_functions"): "timm's, not torch's, as _leaf_modules",
+    ("concur.fx.trace", "_autowrap_functions"): "timm's, not torch's, as _leaf_modules",
     ("concur.inductor.wrapper_program", "_int_mm"): "extern kernel names as inductor's wrapper text spells them: "
                                                     "matched in the text, never read from torch",
     ("concur.inductor.wrapper_program", "_mm_plus_mm"): "as _int_mm",

@@ -146,7 +146,7 @@ NO_MERGE = Roofline("slow-no-overhead", flops_per_us=1e3, bytes_per_us=1e2, kern
 def wrapper_timing(monkeypatch, rounds) -> FakeReplays:
     """The backend times on CPU: at each graph's first call, on that call's inputs (first_call), with fake replays."""
     import concur.dag.measure as measure
-    import concur.inductor.backend as backend
+    import concur.inductor.stream_backend as backend
 
     fake = FakeReplays(rounds)
     monkeypatch.setattr(backend, "can_time", lambda device: True)
@@ -212,7 +212,7 @@ class FakeCandidateReplays:
 
 def auto_compiled(monkeypatch, times, batch: int = 2) -> tuple:
     import concur.dag.measure as measure
-    import concur.inductor.backend as backend_module
+    import concur.inductor.stream_backend as backend_module
 
     torch._dynamo.reset()
     fake = FakeCandidateReplays(times)

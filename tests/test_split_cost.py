@@ -1,4 +1,4 @@
-"""What splitting a convolution's backward costs beyond one more launch (concur.inductor.weight_grads).
+"""What splitting a convolution's backward costs beyond one more launch (concur.inductor.backward_split).
 
 cuDNN's ``convolution_backward`` converts grad_output to ``input``'s memory
 format. The joint call copies a contiguous ``input`` of a channels-last
@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from concur.inductor.weight_grads import split_convolution_backward
+from concur.inductor.backward_split import split_convolution_backward
 
 aten = torch.ops.aten
 CL = torch.channels_last

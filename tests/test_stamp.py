@@ -24,7 +24,7 @@ from concur.dag.cost import ROOFLINES
 from concur.inductor import stamp as istreams
 from concur.inductor.aten_dag import build_aten_dag
 
-backend_module = importlib.import_module("concur.inductor.backend")
+backend_module = importlib.import_module("concur.inductor.stream_backend")
 
 pytestmark = [pytest.mark.inductor,  # compiles through inductor: CI runs it as its own tier
               pytest.mark.skipif(not compat.has_inductor_node_streams(),

@@ -395,7 +395,7 @@ def test_the_backend_warns_once_naming_the_serializing_statement(monkeypatch):
     from concur.inductor.placement import PlacedKernels
     from concur.inductor.wrapper_parse import parse_wrapper
 
-    backend_module = sys.modules["concur.inductor.backend"]
+    backend_module = sys.modules["concur.inductor.stream_backend"]
     (mystery,) = [s for s in parse_wrapper(SERIAL, {"torch": torch}).statements if s.kind == "barrier"]
     monkeypatch.setattr(backend_module, "place_kernels",
                         lambda *args, **kwargs: PlacedKernels(None, False, 3, "the schedule uses one stream", mystery))

@@ -685,7 +685,7 @@ def test_ordered_reuse_trains_like_eager_and_reports_its_reuses(monkeypatch):
 
 def test_buffer_reuse_takes_true_false_or_ordered_and_defaults_to_ordered_on_both_routes():
     import concur
-    from concur.inductor.backend import BackendOptions
+    from concur.inductor.stream_backend import BackendOptions
 
     assert BackendOptions().buffer_reuse == "ordered" and concur.backend().options.buffer_reuse == "ordered"
     assert concur.backend(buffer_reuse=False).options.buffer_reuse is False
@@ -704,7 +704,7 @@ def test_a_stamped_graph_reuses_only_where_inductor_keeps_reuse_within_a_stream(
 
     import concur
     from concur import _torch_compat as compat
-    from concur.inductor import backend as backend_mod
+    from concur.inductor import stream_backend as backend_mod
 
     monkeypatch.setattr(compat, "inductor_reuses_within_streams_only", lambda: within_streams)
     seen = []

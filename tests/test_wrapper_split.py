@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from concur.inductor.weight_grads import SplitCall
+from concur.inductor.backward_split import SplitCall
 from concur.inductor.wrapper_parse import parse_wrapper_source
 from concur.inductor.wrapper_split import split_costs, split_weight_gradient_calls
 

@@ -21,7 +21,7 @@ from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
 from concur.dag.memory import plan_budget
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
-from concur.fx.capture import AUTO_LEAVES_META, LeafSpec
+from concur.fx.trace import AUTO_LEAVES_META, LeafSpec
 from concur.fx.decision import PendingChoice, decision_key, plan_timer
 from concur.fx.plan import Plan, analyse, cuda_device, device_name, generate_plan, split_prologue
 

@@ -20,7 +20,7 @@ from concur.dag.cost import AnalyticCost, CostModel, assign_costs, roofline_for
 from concur.dag.hazards import build_dag, is_free_source
 from concur.dag.memory import plan_budget
 from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
-from concur.fx.capture import LeafSpec, trace
+from concur.fx.trace import LeafSpec, trace
 from concur.fx.codegen import event_count, generate
 from concur.fx.verify import verify_generated
 from concur.fx.weight_grads import split_weight_gradients

@@ -36,7 +36,7 @@ from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.cost import Roofline
 from concur.inductor.first_call import Deferred, FirstCall, FirstCallTiming, defer
-from concur.inductor.weight_grads import SplitCall
+from concur.inductor.backward_split import SplitCall
 from concur.inductor.wrapper_build import build_call
 from concur.inductor.wrapper_emit import (KernelStreamPlan, check_streams, launch_dag, plan_emission,
                                           written_inputs)
@@ -135,7 +135,7 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     schedule orders anyway (:func:`~concur.inductor.wrapper_emit.kept_reuses`).
 
     With ``weight_grad_split`` (a backward's joint convolution backward
-    calls, :func:`concur.inductor.weight_grads.split_calls`), the program put
+    calls, :func:`concur.inductor.backward_split.split_calls`), the program put
     on streams has them split (:mod:`concur.inductor.wrapper_split`), while
     the one-stream program it is weighed against stays inductor's own.
 

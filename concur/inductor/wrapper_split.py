@@ -7,7 +7,7 @@ gradient together: that is the program a user gets from ``torch.compile``
 one stream is as fast. Only the program concur puts on several streams
 splits each joint call into its input-gradient call, which stays on the
 critical path, and its weight(+bias)-gradient call, which a side stream can
-take (:mod:`concur.inductor.weight_grads` says why and what the split must
+take (:mod:`concur.inductor.backward_split` says why and what the split must
 keep). So the one-stream program concur measures a plan against is
 inductor's own, not a split one, which can run slower on one stream than
 the joint call, and no second compile is needed.
@@ -22,7 +22,7 @@ reads it, so the parser sees two ordinary aten fallback calls::
 
 and ``buf15 = buf13[1]`` becomes ``buf15 = buf13_weight_grad[1]``. Each
 part gets a "Source Nodes" comment of its own, naming the cost that
-:func:`concur.inductor.weight_grads.split_calls` predicted for it. A call is
+:func:`concur.inductor.backward_split.split_calls` predicted for it. A call is
 split only where everything about it is read: one line, the mask of exactly
 one joint call of the graph listed above it, and its result used only
 through ``[0]``, ``[1]``, ``[2]`` and ``del``; any other call stays joint.
@@ -34,8 +34,8 @@ import ast
 from typing import Mapping
 
 from concur.inductor.kernel_signatures import _dotted
-from concur.inductor.weight_grads import _OUTPUT_MASK as _MASK
-from concur.inductor.weight_grads import SplitCall
+from concur.inductor.backward_split import _OUTPUT_MASK as _MASK
+from concur.inductor.backward_split import SplitCall
 from concur.inductor.wrapper_parse import find_call_function, listed_nodes
 
 CONVOLUTION_BACKWARD = "torch.ops.aten.convolution_backward.default"

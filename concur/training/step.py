@@ -46,7 +46,7 @@ from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.annotate import cuda_device_in, tensors_in
 from concur.fx import module as api
-from concur.inductor.backend import ConcurBackend, backend
+from concur.inductor.stream_backend import ConcurBackend, backend
 from concur.training import captured_optim
 from concur.training.arguments import as_tuple as _as_tuple, check_arguments, check_optimizer, check_streams, \
     make_capturable, split_option
@@ -441,7 +441,7 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     ``False`` captures on an ordinary stream.
 
     ``compile=True`` runs the model through ``torch.compile`` with the concur
-    backend (:mod:`concur.inductor.backend`): inductor's fused kernels on the streams,
+    backend (:mod:`concur.inductor.stream_backend`): inductor's fused kernels on the streams,
     forward and backward, still captured whole; ``streams=1`` is then exactly
     ``torch.compile`` plus a whole-step CUDA graph. ``compile_options`` are
     more keyword arguments of :func:`concur.backend` (e.g.

@@ -29,7 +29,7 @@ import torch
 
 from concur.dag import decide
 from concur.dag.disk_cache import JsonCache
-from concur.inductor.backend import ConcurBackend
+from concur.inductor.stream_backend import ConcurBackend
 from concur.training.trial import several_ranks
 
 

@@ -1,4 +1,4 @@
-"""Weight gradients off the critical path (concur.inductor.weight_grads): the split keeps values and
+"""Weight gradients off the critical path (concur.inductor.backward_split): the split keeps values and
 fusion, and puts the weight parts of a chain's backward beside its input-gradient path."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import concur
 from concur.dag.cost import Roofline
-from concur.inductor.weight_grads import split_convolution_backward, weight_gradient_nodes
+from concur.inductor.backward_split import split_convolution_backward, weight_gradient_nodes
 from tests.test_backend import compare_compiled, forward_and_backward, fresh_dynamo  # noqa: F401 - autouse
 
 pytestmark = pytest.mark.inductor  # compiles through inductor: CI runs it as its own tier

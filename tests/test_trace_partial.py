@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import concur
-from concur.fx.capture import trace
+from concur.fx.trace import trace
 from tests.conftest import compare_with_original
 from tests.models import DataDependentBlock, Untraceable, WideNet
 from tests.nas_models import FactorizedReduce, GatedSepConv, NASNetStyle, RepeatedConv

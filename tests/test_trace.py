@@ -101,7 +101,7 @@ def test_control_flow_in_a_function_the_root_calls_names_it_and_how_to_wrap_it()
         concur.optimize(RootCallsFunction(), (torch.randn(2, 4),))
     message = str(info.value)
     assert "RootCallsFunction's own code in gate()" in message
-    assert "torch.fx.wrap('gate') at the top level of test_capture.py" in message
+    assert "torch.fx.wrap('gate') at the top level of test_trace.py" in message
     assert "register_notrace_function" not in message  # not a timm model
 
 
@@ -141,12 +141,12 @@ def test_timm_crossvit_traces_with_scale_image_kept_whole():
 def test_a_timm_without_a_known_registry_is_traced_plainly_with_one_warning(monkeypatch):
     import warnings
 
-    from concur.fx import capture
+    from concur.fx import trace
 
     monkeypatch.setitem(sys.modules, "timm", types.ModuleType("timm"))
-    for name in capture._TIMM_FX_REGISTRIES:
+    for name in trace._TIMM_FX_REGISTRIES:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(capture, "_warned_timm", [])
+    monkeypatch.setattr(trace, "_warned_timm", [])
     with pytest.warns(UserWarning, match="no fx registry in this timm version"):
         concur.optimize(Untraceable(), (torch.randn(2, 4),), leaf_modules=[DataDependentBlock])
     with warnings.catch_warnings():

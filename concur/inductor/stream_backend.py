@@ -40,7 +40,7 @@ from concur.inductor.aten_dag import build_aten_dag
 from concur.inductor.first_call import FirstCallTiming
 from concur.inductor.placement import InstalledPlan, PlacedKernels, place_kernels
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
-from concur.inductor.weight_grads import split_calls, split_convolution_backward, weight_gradient_nodes
+from concur.inductor.backward_split import split_calls, split_convolution_backward, weight_gradient_nodes
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP
@@ -78,7 +78,7 @@ class BackendOptions:
     # measured on a GPU, hence not the default.
     route: str = "wrapper"
     # With streams > 1: split each backward convolution_backward into its input-gradient and
-    # weight(+bias)-gradient calls (concur.inductor.weight_grads), so the weight part can leave the
+    # weight(+bias)-gradient calls (concur.inductor.backward_split), so the weight part can leave the
     # critical path for a side stream. Same kernels, one more launch per convolution. The wrapper
     # route splits only the program it puts on streams (concur.inductor.wrapper_split): a graph kept
     # on one stream runs inductor's own joint calls.
@@ -438,7 +438,7 @@ def backend(streams: int | str = 4, scheduler: str = "critical_path", *, rooflin
     ``split_weight_grads=True`` (the default) splits each backward
     convolution into its input-gradient and weight-gradient calls, so the
     weight part can run beside the rest of the backward pass
-    (:mod:`concur.inductor.weight_grads`); ``False`` keeps AOTAutograd's
+    (:mod:`concur.inductor.backward_split`); ``False`` keeps AOTAutograd's
     joint calls.
 
     ``measure=True`` (the default): on CUDA, a plan the prediction lets
