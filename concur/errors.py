@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+__all__ = ["debug", "ConcurError", "CaptureError", "ExampleInputError", "BatchError", "PlanError"]
+
 DEBUG_ENV = "CONCUR_DEBUG"
 
 

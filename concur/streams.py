@@ -36,6 +36,8 @@ import torch
 
 from concur.dag.annotate import cuda_device_in, tensors_in
 
+__all__ = ["side_streams", "weight_grad_stream", "StreamRuntime"]
+
 
 # Side streams per device, shared by every plan: the caching allocator keeps a freed block for the stream it
 # was allocated on, and cuBLAS a 32 MiB workspace per stream, so streams of their own for each plan (a

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch.nn as nn
 
+__all__ = ["ModelSpecError", "ZooModel", "load", "build_model", "import_from_cwd", "import_file"]
+
 # Smallest square input a torchvision model accepts in train mode where it is not 32 px:
 # torchvision's weights metadata gives the pretrained eval minimum (Swin says 224 but
 # runs at 32), so these were found by running the models (tests/test_zoo.py uses them).

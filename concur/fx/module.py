@@ -25,6 +25,8 @@ from concur.fx.trace import AUTO_LEAVES_META, LeafSpec
 from concur.fx.decision import PendingChoice, decision_key, plan_timer
 from concur.fx.plan import Plan, analyse, cuda_device, device_name, generate_plan, split_prologue
 
+__all__ = ["ConcurModule", "optimize", "Inspection", "inspect"]
+
 FALLBACKS = ("error", "eager")
 # measure=DEFERRED: where a new decision is to be timed, the caller times it (train_step's first steps), see
 # ConcurModule.pending_choice

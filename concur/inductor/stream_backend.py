@@ -37,10 +37,12 @@ from concur.dag.cost import Roofline, roofline_for
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import boxed_timer, can_time, environment
 from concur.inductor.aten_dag import build_aten_dag
+from concur.inductor.backward_split import split_calls, split_convolution_backward, weight_gradient_nodes
 from concur.inductor.first_call import FirstCallTiming
 from concur.inductor.placement import InstalledPlan, PlacedKernels, place_kernels
 from concur.inductor.stamp import ROUTES, StreamOptions, compile_stamped, snapshot_graph
-from concur.inductor.backward_split import split_calls, split_convolution_backward, weight_gradient_nodes
+
+__all__ = ["BackendOptions", "CompiledGraphInfo", "ConcurBackend", "costs_by_source", "backend", "concur_backend"]
 
 # Placing kernels loses no fusion, so a plan is installed unless it is predicted slower than one stream.
 DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+__all__ = ["Sample", "UtilizationSample", "Mark", "MonitorRecord", "driver_version", "Monitor"]
+
 _warned: set[str] = set()
 
 

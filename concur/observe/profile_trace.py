@@ -26,6 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+__all__ = [
+    "KernelInterval",
+    "StepOverlap",
+    "TraceSummary",
+    "load_events",
+    "parse_events",
+    "parse_trace",
+    "profile_steps",
+]
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "runtime")
 

@@ -25,6 +25,8 @@ from concur.observe.monitor import MonitorRecord
 from concur.observe.profile_trace import TraceSummary, parse_trace
 from concur.observe.rundir import Case, Run, load_run, slug
 
+__all__ = ["case_data", "report_data", "render_html", "write_report"]
+
 WITHIN = 1.05  # the tuner's choice counts as good when within 5% of the best fixed stream count
 
 

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+__all__ = ["Variant", "TraceRef", "Case", "Run", "slug", "load_run", "RunWriter"]
+
 RUN_FILE = "run.json"
 
 

@@ -14,6 +14,16 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+__all__ = [
+    "cuda_times_ms",
+    "cuda_block_ms",
+    "wall_times_ms",
+    "summarize",
+    "median_and_iqr",
+    "time_cuda_ms",
+    "time_wall_ms",
+]
+
 if TYPE_CHECKING:
     from torch.utils.benchmark import Measurement
 

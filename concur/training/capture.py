@@ -22,7 +22,8 @@ and evicts the least recently used.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -31,16 +32,53 @@ from concur import _torch_compat as compat
 from concur.fx.decision import PendingChoice
 from concur.fx.plan import cuda_device
 from concur.training import captured_optim
-from concur.training.gradients import optimized_parameters
+from concur.training.gradients import StepGradients, optimized_parameters
 from concur.training.graph_runner import Captured
 from concur.training.out_of_memory import is_out_of_memory, shortfall
 from concur.training.snapshot import Snapshot
+from concur.training.status import CaptureLog
+from concur.training.step_body import StepBody
 from concur.training.trial import StepTrial
 
-# Each function takes the step, a TrainStep: typed Any, since concur.training.step imports this module.
+__all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
 
 
-def graph_limit(step: Any) -> int:
+class CapturingStep(Protocol):
+    """What capturing needs of a step (:class:`concur.training.step.TrainStep`, which imports this module): its
+    arguments, its modules and graphs by stream count, and the parts that warm up, capture and keep the log."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_scaler: Any
+    requested_streams: int | str
+    compile: bool
+    accumulate: int
+    before_step: Any
+    max_graphs: int
+    warmup: int
+    modules: dict
+    backends: dict
+    graphs: OrderedDict
+    eager_keys: set
+    warmed_keys: set
+    failed_streams: set
+    step_decisions: list
+    capture_log: CaptureLog
+    _trial: StepTrial | None
+    _runner: Any  # a CudaGraphRunner, or the CPU tests' emulation
+    _hyper: captured_optim.DeviceHyperparameters | None
+    _body: StepBody
+    _gradients: StepGradients
+    _batches: Any  # BatchChecks, which takes the step too
+
+    def _module(self, streams: int | str) -> nn.Module: ...
+
+    def _warn_once(self, message: str) -> None: ...
+
+    def _decide_on_the_step(self, streams: int, forward_backward: Callable[[], Any], inputs: tuple) -> None: ...
+
+
+def graph_limit(step: CapturingStep) -> int:
     """Return how many graphs ``step`` keeps: ``max_graphs`` per position of the accumulation cycle."""
     return step.max_graphs * min(step.accumulate, 3)  # first, middle and last position of a cycle
 
@@ -48,7 +86,7 @@ def graph_limit(step: Any) -> int:
 CAPTURE_TRIES = 2  # captures of one stream count, where the first fails for another reason than memory
 
 
-def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
+def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key: tuple,
                           phase: tuple[bool, bool]) -> Captured | None:
     """Return the graph of ``step`` for ``key``, kept in its graphs; None where every stream count failed, and
     the key runs eagerly from now on.
@@ -103,7 +141,7 @@ def capture_with_fallback(step: Any, inputs: tuple, targets: Any, key: tuple,
     return None
 
 
-def _keep(step: Any, key: tuple, captured: Captured) -> None:
+def _keep(step: CapturingStep, key: tuple, captured: Captured) -> None:
     """Keep ``captured`` as ``key``'s graph, evicting the least recently used beyond :func:`graph_limit`."""
     if len(step.graphs) >= graph_limit(step):
         step.graphs.popitem(last=False)
@@ -114,7 +152,7 @@ def _keep(step: Any, key: tuple, captured: Captured) -> None:
     step.warmed_keys.add(key)
 
 
-def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,
                            phase: tuple[bool, bool]) -> Captured:
     """Capture ``key``'s graph; where a decision is left to the first calls, capture every program and start
     their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
@@ -142,7 +180,7 @@ def capture_or_start_trial(step: Any, inputs: tuple, targets: Any, key: tuple, s
     return capture(step, inputs, targets, streams, phase, warmup=1 if key in step.warmed_keys else None)
 
 
-def trial_choice(step: Any, streams: int | str) -> PendingChoice | None:
+def trial_choice(step: CapturingStep, streams: int | str) -> PendingChoice | None:
     """The decision ``step``'s first calls time (:mod:`concur.training.trial`), where this capture starts it:
     the first capture of a module whose plan has one pending (a first call, a model changed since), while no
     other trial runs."""
@@ -151,7 +189,7 @@ def trial_choice(step: Any, streams: int | str) -> PendingChoice | None:
     return getattr(step._module(streams), "pending_choice", lambda: None)()
 
 
-def capture_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+def capture_trial(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,
                   phase: tuple[bool, bool], choice: PendingChoice) -> StepTrial:
     """Capture the step once with each of ``choice``'s programs, one stream first; return their trial.
 
@@ -174,7 +212,7 @@ def capture_trial(step: Any, inputs: tuple, targets: Any, key: tuple, streams: i
     return StepTrial(key, captured, device=cuda_device(module, inputs))
 
 
-def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any,
+def backward_from_none(step: CapturingStep, module: nn.Module, inputs: tuple, targets: Any,
                        optimized: set[torch.Tensor]) -> list[torch.Tensor]:
     """Return the parameters of ``optimized`` that one warm-up forward and backward from no gradients reached
     (in the model's order), their gradients freed."""
@@ -187,7 +225,7 @@ def backward_from_none(step: Any, module: nn.Module, inputs: tuple, targets: Any
     return reached
 
 
-def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
+def capture(step: CapturingStep, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
             warmup: int | None = None) -> Captured:
     """Warm up on the side stream, capture, and put back what warm-up changed; return the captured graph.
 
@@ -198,7 +236,7 @@ def capture(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[b
                             [step.warmup if warmup is None else warmup])[0]
 
 
-def capture_programs(step: Any, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
+def capture_programs(step: CapturingStep, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
                      plans: list[Any], warmups: list[int]) -> list[Captured]:
     """Warm up each of ``plans`` (None: the module's own), then capture each; put back what warm-up changed.
 
@@ -268,7 +306,7 @@ def capture_programs(step: Any, inputs: tuple, targets: Any, streams: int, phase
     return captured
 
 
-def captured_update(step: Any, reached: list[torch.Tensor]) -> Callable[[], Any]:
+def captured_update(step: CapturingStep, reached: list[torch.Tensor]) -> Callable[[], Any]:
     """Return the update the graph captures: the device-tensor one for SGD/Adam/AdamW, else ``optimizer.step``."""
     if step._hyper is None:
         return step.optimizer.step

@@ -29,6 +29,8 @@ from concur import _torch_compat as compat
 from concur.dag.annotate import tensors_in
 from concur.dag.measure import alternating_replays, can_time, captures_into, capturing, settle_failed_captures
 
+__all__ = ["Captured", "CudaGraphRunner", "EventTiming", "batch_tensors", "graph_runner"]
+
 # torch maps a priority beyond the device's range to its highest (CUDA: lower numbers run first).
 HIGHEST_PRIORITY = -100
 

@@ -60,6 +60,8 @@ from concur.training.status import CaptureLog, StepStatus
 from concur.training.step_streams import decide_step_streams
 from concur.training.trial import StepTrial, several_ranks
 
+__all__ = ["TrainStep", "train_step"]
+
 FORMAT = 2  # of a saved step: 1 held the arguments as a tuple, 2 by name
 # train_step's arguments by name; also the order in which a saved step of format 1 (a tuple) holds them
 _ARGUMENTS = ("model", "loss_fn", "optimizer", "example_batch", "streams", "cuda_graph", "scheduler", "max_graphs",
