@@ -25,7 +25,7 @@ from schedulers.serial import serial
 from schedulers.critical_path import critical_path
 from schedulers.fork import fork
 from schedulers.coarsen import Coarsened, attach_trivial, coarsen, expand
-from schedulers.memory import MemoryTracker, memory_budget, peak_bytes, stream_peaks
+from schedulers.stream_memory import MemoryTracker, memory_budget, peak_bytes, stream_peaks
 from schedulers.analysis import critical_path_length, predicted_speedups, speedup_predictions, width
 
 __all__ = [

@@ -26,7 +26,7 @@ With ``sync_cost=0`` the predicted makespan never exceeds the serial one: each
 placement finishes no later than the latest finish so far plus its own cost.
 
 Given ``memory_budget`` (bytes; nodes carry ``bytes`` and ``held``, see
-`schedulers.memory`), a node goes only to a stream where the sum of the
+`schedulers.stream_memory`), a node goes only to a stream where the sum of the
 streams' peaks of live bytes stays within the budget; where none does, to
 the stream that adds the least. Far from the program's peak of memory every
 stream fits, so the budget limits concurrency only near it.
@@ -40,7 +40,7 @@ from collections.abc import Hashable
 import networkx as nx
 
 from schedulers.coarsen import with_trivial_attached
-from schedulers.memory import MemoryTracker
+from schedulers.stream_memory import MemoryTracker
 from schedulers.schedule import Schedule, build_schedule, check_dag, insertion_order, node_cost, register
 
 __all__ = ["critical_path", "bottom_levels"]
@@ -82,10 +82,10 @@ def critical_path(
     12.0
 
     Two branches whose outputs do not all fit side by side (4 bytes each,
-    `schedulers.memory`): on two streams they need 16 bytes, on one 12;
+    `schedulers.stream_memory`): on two streams they need 16 bytes, on one 12;
     within 12, branch c stays on stream 0.
 
-    >>> from schedulers.memory import peak_bytes
+    >>> from schedulers.stream_memory import peak_bytes
     >>> dag = nx.DiGraph([("a", "b1"), ("b1", "b2"), ("b2", "d"), ("a", "c1"), ("c1", "c2"), ("c2", "d")])
     >>> nx.set_node_attributes(dag, {"a": 1, "b1": 5, "b2": 5, "c1": 5, "c2": 5, "d": 1}, "cost")
     >>> nx.set_node_attributes(dag, 4, "bytes")

@@ -96,8 +96,8 @@ def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_u
     per branch, none cheaper than ``cluster_cost_us``) and expand the
     cluster schedule back; ``None`` schedules node by node (the fx path,
     whose code generator places each op's events itself). With
-    ``memory_budget`` (bytes, :mod:`concur.dag.memory`) the critical-path
-    scheduler keeps the streams' memory within it (:mod:`schedulers.memory`).
+    ``memory_budget`` (bytes, :mod:`concur.dag.memory_budget`) the critical-path
+    scheduler keeps the streams' memory within it (:mod:`schedulers.stream_memory`).
     """
     kw = {} if memory_budget is None or scheduler != "critical_path" else {"memory_budget": memory_budget}
     if cluster_cost_us is None:

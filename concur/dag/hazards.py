@@ -47,7 +47,7 @@ def build_dag(graph: fx.Graph) -> nx.DiGraph:
     Node attributes: ``target`` (a readable name of the op), ``facts``,
     ``trivial`` (``facts.no_arithmetic``: the schedulers keep such an op with
     its producer or consumer, see :func:`schedulers.attach_trivial`), and for
-    memory-aware schedules (:mod:`schedulers.memory`) ``bytes`` (what the op
+    memory-aware schedules (:mod:`schedulers.stream_memory`) ``bytes`` (what the op
     allocates) and ``held`` (its output lives to the end: saved for backward,
     or an output of the graph). Costs are added later by :mod:`concur.dag.cost`.
     """

@@ -19,7 +19,7 @@ from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.dag.calibration import calibration_for
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
-from concur.dag.memory import plan_budget
+from concur.dag.memory_budget import plan_budget
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.trace import AUTO_LEAVES_META, LeafSpec
 from concur.fx.decision import PendingChoice, decision_key, plan_timer

@@ -18,7 +18,7 @@ from concur.dag import decide
 from concur.dag.annotate import OpFailed, annotate, cuda_device_in, preserved_state, tensors_in
 from concur.dag.cost import AnalyticCost, CostModel, assign_costs, roofline_for
 from concur.dag.hazards import build_dag, is_free_source
-from concur.dag.memory import plan_budget
+from concur.dag.memory_budget import plan_budget
 from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
 from concur.fx.trace import LeafSpec, trace
 from concur.fx.codegen import event_count, generate
@@ -189,7 +189,7 @@ def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str, device: torch.de
     """Return (the prologue, the DAG without it, its schedule on up to ``streams`` streams).
 
     Ops are scheduled one by one (:func:`concur.dag.decide.schedule_graph`), within the memory budget of
-    :func:`concur.dag.memory.plan_budget` (``device``: what is free there).
+    :func:`concur.dag.memory_budget.plan_budget` (``device``: what is free there).
     """
     prologue, scheduled = split_prologue(dag)
     return prologue, scheduled, decide.schedule_graph(scheduled, streams, scheduler,

@@ -1,4 +1,4 @@
-"""schedulers.memory and the memory budget of schedulers.critical_path, on hand-drawn graphs and random ones."""
+"""schedulers.stream_memory and the memory budget of schedulers.critical_path, on hand-drawn graphs and random ones."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The sizes and lifetimes are the DAG's (``bytes`` and ``held``, set where the
 DAG is built); the model of what a schedule needs and the budget kept while
-scheduling are pure (:mod:`schedulers.memory`). What is free is asked of the
+scheduling are pure (:mod:`schedulers.stream_memory`). What is free is asked of the
 device here: the caching allocator's limit for this process
 (``torch.cuda.set_per_process_memory_fraction``) and what the driver has left.
 """
@@ -13,7 +13,7 @@ import networkx as nx
 import torch
 
 import schedulers
-from schedulers.memory import peak_bytes
+from schedulers.stream_memory import peak_bytes
 from schedulers.schedule import insertion_order
 
 __all__ = ["FACTOR", "FLOOR", "one_stream_peak", "free_bytes", "plan_budget"]

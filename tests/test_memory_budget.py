@@ -1,5 +1,5 @@
 """Memory-aware plans on the fx path: what each op allocates and which outputs autograd saves (annotate), and the
-budget the plan keeps to (concur.dag.memory), on CPU against the plan scheduled without it."""
+budget the plan keeps to (concur.dag.memory_budget), on CPU against the plan scheduled without it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch.nn as nn
 
 import concur
 from concur.dag import decide
-from concur.dag import memory as dag_memory
+from concur.dag import memory_budget as dag_memory
 from concur.dag.annotate import annotate
 from concur.fx.plan import analyse, split_prologue
-from schedulers.memory import peak_bytes
+from schedulers.stream_memory import peak_bytes
 
 
 class ConvBnRelu(nn.Module):
