@@ -21,7 +21,7 @@ import concur
 import concur.training.step as train_mod
 from tests.test_measured_decision import FASTER, SLOWER, wrapper_timing
 from tests.test_step_habits import EmulatedGraphs
-from tests.test_weight_grads import LAUNCH_LIGHT, ConvChain
+from tests.test_backward_split import LAUNCH_LIGHT, ConvChain
 
 JOINT, SPLIT = 6, 11  # ConvChain's convolution_backward calls per backward: inductor's own, and split
 
