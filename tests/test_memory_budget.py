@@ -117,3 +117,18 @@ def test_recording_which_outputs_are_saved_keeps_no_activation_alive():
     annotate(gm, (torch.randn(2, 3, 5, 5),), saved=True)
     gc.collect()
     assert seen and seen[0]() is None, "relu's output (saved by relu itself) must be freed"
+
+
+def test_recording_which_outputs_are_saved_keeps_no_model_alive():
+    """Autograd keeps the saved-tensor hooks with what it saved: they must hold neither the annotator nor the traced
+    model, or every plan would keep its model (and the run's output) alive for good."""
+    import gc
+    import weakref
+
+    model = ConvBnRelu().train()
+    gm = fx.symbolic_trace(model)
+    out = annotate(gm, (torch.randn(2, 3, 5, 5),), saved=True)
+    gone = weakref.ref(gm)
+    del gm, model, out
+    gc.collect()
+    assert gone() is None, "the traced model outlived its annotation"

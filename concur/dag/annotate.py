@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 import torch.fx as fx
@@ -220,21 +220,6 @@ class _Annotator(ShapeProp):
         self._failure: Exception | None = None
         self.saved_keys: set[Hashable] = set()  # storages autograd saved for backward so far
 
-    def pack(self, t: torch.Tensor) -> Hashable:
-        """``saved_tensors_hooks``' pack: note the storage autograd saves, and keep its key instead of it.
-
-        Nothing runs backward on this graph, so nothing needs the tensor: the
-        run holds no more memory than one without gradients, and no cycle
-        forms (an op that saves its own output, kept as it is, would hold
-        itself through its ``grad_fn``, out of the collector's sight).
-        """
-        key = self.storage_key(t)
-        self.saved_keys.add(key)
-        return key
-
-    @staticmethod
-    def unpack(key: Hashable) -> torch.Tensor:
-        raise RuntimeError("concur's annotation run records which tensors autograd saves; it runs no backward")
 
     def _guarded(self, run: Any, target: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -304,6 +289,29 @@ class _Annotator(ShapeProp):
         return map_aggregate(arg, lambda a: self.env[a] if isinstance(a, fx.Node) else a)
 
 
+def _noting_saved(storage_key: StorageKeys, saved_keys: set) -> tuple[Callable, Callable]:
+    """``saved_tensors_hooks``' pack and unpack for the annotation run: note each storage autograd saves, keep its
+    key instead of it.
+
+    Nothing runs backward on this graph, so nothing needs the tensor: the run
+    holds no more memory than one without gradients. Autograd keeps the hooks
+    with what it saved, out of the collector's sight, so they hold nothing but
+    the key maker and the set: a hook bound to the annotator would keep it, its
+    values and the traced model alive for as long as the graph lives, and the
+    graph itself through the output (an op that saves its own output, kept as
+    it is, would hold itself the same way).
+    """
+    def pack(t: torch.Tensor) -> Hashable:
+        key = storage_key(t)
+        saved_keys.add(key)
+        return key
+
+    def unpack(key: Hashable) -> torch.Tensor:
+        raise RuntimeError("concur's annotation run records which tensors autograd saves; it runs no backward")
+
+    return pack, unpack
+
+
 def annotate(gm: fx.GraphModule, example_inputs: tuple, saved: bool = False) -> Any:
     """Run ``gm`` once on clones of ``example_inputs`` and fill ``node.meta``; return its output.
 
@@ -323,8 +331,8 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, saved: bool = False) -> 
     devices = {t.device for t in tensors_in(inputs)} | {p.device for p in gm.parameters()}
     annotator = _Annotator(gm, devices)
     recording = torch.enable_grad() if saved else torch.no_grad()
-    hooks = torch.autograd.graph.saved_tensors_hooks(annotator.pack, annotator.unpack) if saved \
-        else contextlib.nullcontext()
+    hooks = torch.autograd.graph.saved_tensors_hooks(*_noting_saved(annotator.storage_key, annotator.saved_keys)) \
+        if saved else contextlib.nullcontext()
     with preserved_state(gm, devices), recording, hooks:
         result = annotator.propagate(*inputs)
     if saved:  # an output is saved where a later op saves it as its input: known once the run is over
