@@ -12,6 +12,8 @@
 #              PyTorch's compile + whole-step-graph recipe) over OUT/speed/run; summary in OUT/speed/run/summary.md
 #   memory     python -m experiments.memory (the memory-pressure benchmark) --out OUT/memory [--jobs MEMORY_JOBS]
 #              [MEMORY_ARGS, e.g. "--paths unfused": a part of the grid]
+#   stress     python -m experiments.capture_stress --out OUT/stress [STRESS_ARGS]: copies of the habits tests side by
+#              side with sanitizer tests, every train_step capture counted (captured, failed, recovered, eager)
 #   zoo        experiments/zoo.sh ZOO_PART (default z4: the three torchvision CNNs; z1 z2 z3 the timm networks,
 #              u1 u2 unfused) over OUT/zoo/run; the table in OUT/zoo/run/zoo_table.md
 #   ddp        tests/test_gpu_ddp.py, then with two GPUs or more experiments/ddp_train.py --compare, eager and
@@ -29,8 +31,8 @@ if [ "${1:-}" = --out ]; then [ -n "${2:-}" ] || usage; OUT=$2; shift 2; fi
 [ -n "${OUT:-}" ] || { echo "name the output folder: set OUT or pass --out DIR" >&2; usage; }
 [ $# -gt 0 ] || usage
 for step in "$@"; do  # every step known before any starts
-  case "$step" in tests|sanitizer|speed|memory|zoo|ddp|setup|wrappers) ;;
-    *) echo "unknown step '$step': tests sanitizer speed memory zoo ddp setup wrappers" >&2; exit 2 ;; esac
+  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|wrappers) ;;
+    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup wrappers" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -80,6 +82,8 @@ for step in "$@"; do
     speed) DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) OUT=$dir bash "$(dirname "$0")/recipes.sh" "$dir/run" ${SPEED_PARTS:-a} ;;
     memory) python3 -m experiments.memory --out "$dir" ${MEMORY_JOBS:+--jobs $MEMORY_JOBS} ${MEMORY_ARGS:-} 2>&1 \
               | tee "$dir/memory.log" | grep -v "Warning" | tail -30 ;;
+    stress) python3 -m experiments.capture_stress --out "$dir" --deadline $(( ${DEADLINE:-585} - SECONDS - 20 )) \
+              ${STRESS_ARGS:-} 2>&1 | tee "$dir/stress.log" | tail -12 ;;
     zoo) DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) OUT=$dir bash "$(dirname "$0")/zoo.sh" "$dir/run" ${ZOO_PART:-z4} ;;
     ddp) python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu_ddp.py 2>&1 | tee "$dir/test_gpu_ddp.log" \
            | tail -3

@@ -119,3 +119,10 @@ def test_gpu_check_speed_and_zoo_steps_run_their_scripts_under_out(tmp_path):
                for c in started)
     setups = [c for c in calls if c.startswith("-m experiments.setup_cost")]
     assert len(setups) == 3 and all(f"--json {tmp_path / 'out' / 'setup' / 'setup.jsonl'}" in c for c in setups)
+
+
+def test_gpu_check_stress_step_counts_captures_under_its_own_folder(tmp_path):
+    rc, calls, _ = run_script(tmp_path, "gpu_check.sh", "stress", run_dir=False)
+    assert rc == 0
+    assert any(c.startswith(f"-m experiments.capture_stress --out {tmp_path / 'out' / 'stress'} --deadline ")
+               for c in calls), calls
