@@ -1,7 +1,7 @@
-"""A setup that fails (out of memory, a capture the driver invalidates) never costs the user's run.
+"""training/capture.py: a setup that fails (out of memory, a capture the driver invalidates) never costs the user's run.
 
 Faults are faked at each point of setup (the trial of programs is in
-tests/test_step_trial.py, a timing in tests/test_decide.py): a warm-up or
+tests/test_trial.py, a timing in tests/test_decide.py): a warm-up or
 capture that runs out of memory drops to one stream at once, with one
 warning that says how much memory was missing; a capture that fails for
 another reason is tried again in a new pool; eager execution is the last
