@@ -9,8 +9,10 @@ the environment chains and prints it as ``raise ... from`` would.
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
-__all__ = ["debug", "ConcurError", "CaptureError", "ExampleInputError", "BatchError", "PlanError"]
+__all__ = ["debug", "exception_chain", "ConcurError", "CaptureError", "ExampleInputError", "BatchError",
+           "PlanError"]
 
 DEBUG_ENV = "CONCUR_DEBUG"
 
@@ -21,6 +23,15 @@ def debug() -> bool:
 
 
 TRACEBACK_HINT = f"(torch's traceback: the exception's .original, or set {DEBUG_ENV}=1)"
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or while handling, each once (a chain may loop back on itself)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 class ConcurError(RuntimeError):

@@ -215,3 +215,17 @@ def test_a_capture_that_ran_out_of_memory_and_then_failed_at_its_end_is_told_as_
     step, said = run(monkeypatch, runner, make_batches(4))
     assert step.failed_streams == {2} and len(runner.attempts) == 2, "no retry of a capture out of memory"
     assert len(said) == 1 and "does not fit in memory" in said[0] and "20.00 MiB" in said[0]
+
+
+def test_what_was_missing_is_read_from_the_allocators_error_else_the_error_raised():
+    """The shortfall comes from the link of the chain that names the request; where none does, from the error
+    raised, not from whatever it was raised while handling."""
+    from concur.training.out_of_memory import shortfall
+
+    try:
+        try:
+            raise ValueError("unrelated")
+        except ValueError:
+            raise RuntimeError("CUDA error: out of memory")
+    except RuntimeError as exc:
+        assert shortfall(exc) == "CUDA error: out of memory"

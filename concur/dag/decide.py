@@ -375,21 +375,6 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
     return Decision(keep, p, m, "measurement", f"{_compared(m, keep, margin, p)}; {_predicted(p)}{beside}", i)
 
 
-def out_of_memory(exc: BaseException | None) -> bool:
-    """Whether ``exc``, or an error it was raised from or during, says the device ran out of memory: torch's
-    ``OutOfMemoryError`` (by name: this module does not import torch), or the driver's "out of memory" raised as
-    another error. A capture that runs out of memory mid-way fails at its end with another error ("capturing
-    stream has unjoined work"), raised while the allocator's is handled: the cause is the one in the chain."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(t.__name__ == "OutOfMemoryError" for t in type(exc).__mro__) or isinstance(exc, MemoryError) \
-                or "out of memory" in str(exc).lower():
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def cached_choice(what: str, candidates: Sequence[Prediction], cache: DecisionCache, key: str,
                   margin: float = MARGIN) -> Decision | None:
     """Return the measured decision among ``candidates`` that ``cache`` holds under ``key``, logged; else None.

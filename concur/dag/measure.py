@@ -32,6 +32,7 @@ from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.decide import Timer
 from concur.dag.nvml import other_processes_on
+from concur.errors import exception_chain
 
 ROUNDS = 7     # at most this many rounds of alternating replays; the decision takes their median
 REPLAYS = 5    # at most this many replays of each program per round, timed as one interval
@@ -251,12 +252,8 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
 
 def _without_frames(exc: BaseException) -> BaseException:
     """``exc`` with the tracebacks of its whole chain dropped: their frames hold what failed (graphs, tensors)."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
+    for link in exception_chain(exc):
         link.__traceback__ = None
-        link = link.__cause__ or link.__context__
     return exc
 
 

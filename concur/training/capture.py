@@ -34,7 +34,7 @@ from concur.fx.plan import cuda_device
 from concur.training import captured_optim
 from concur.training.gradients import StepGradients, optimized_parameters
 from concur.training.graph_runner import Captured
-from concur.training.out_of_memory import is_out_of_memory, shortfall
+from concur.training.out_of_memory import failure_text, is_out_of_memory, shortfall
 from concur.training.snapshot import Snapshot
 from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
@@ -108,8 +108,7 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
                 captured = capture_or_start_trial(step, inputs, targets, key, streams, phase)
             except Exception as exc:  # noqa: BLE001 - out of memory, or an op or moment a graph cannot capture
                 memory = is_out_of_memory(exc)
-                why = shortfall(exc) if memory else \
-                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                why = shortfall(exc) if memory else failure_text(exc)
                 captured = None
             # outside the except block: its traceback no longer holds the failed attempt's tensors
             if captured is not None:
@@ -170,7 +169,7 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
             return step._trial.programs[choice.program_of_default()]
         except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
-            failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            failure = failure_text(exc)
     if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
         step.capture_log.failures += 1
         step._trial = None

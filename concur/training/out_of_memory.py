@@ -12,13 +12,29 @@ from __future__ import annotations
 
 import re
 
-from concur.dag.decide import out_of_memory as is_out_of_memory
+import torch
 
-__all__ = ["is_out_of_memory", "shortfall"]
+from concur.errors import exception_chain
+
+__all__ = ["is_out_of_memory", "shortfall", "failure_text"]
 
 _REQUEST = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)")
 _FREE = re.compile(r"of which ([0-9.]+ [KMGT]?i?B) is free")
 _LIMIT = re.compile(r"([0-9.]+ [KMGT]?i?B) allowed;")  # under torch.cuda.set_per_process_memory_fraction
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from or during, says the device ran out of memory: torch's
+    ``OutOfMemoryError``, or the driver's "out of memory" raised as another error. A capture that runs out of
+    memory mid-way fails at its end with another error ("capturing stream has unjoined work"), raised while the
+    allocator's is handled: the cause is the one in the chain."""
+    return any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+               for e in exception_chain(exc))
+
+
+def failure_text(exc: BaseException) -> str:
+    """``exc`` in a few words for a warning: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
 def shortfall(exc: BaseException) -> str:
@@ -30,8 +46,8 @@ def shortfall(exc: BaseException) -> str:
     >>> shortfall(RuntimeError("CUDA error: out of memory"))
     'CUDA error: out of memory'
     """
-    while not _REQUEST.search(str(exc)) and (exc.__cause__ or exc.__context__) is not None:
-        exc = exc.__cause__ or exc.__context__  # the allocator's error, where a capture's end raised another
+    # the allocator's error says what was missing, where a capture's end raised another while handling it
+    exc = next((e for e in exception_chain(exc) if _REQUEST.search(str(e))), exc)
     text = str(exc)
     request, free, limit = (m.group(1) if m else None for m in (_REQUEST.search(text), _FREE.search(text),
                                                                  _LIMIT.search(text)))

@@ -282,11 +282,13 @@ class TrainStep:
             if self.cuda_graph:
                 loss = self._graph_call(inputs, targets, phase)
             else:
-                loss = self._body.eager(inputs, targets, self.module, phase)
+                module = self.module
+                loss = self._body.eager(inputs, targets, module, phase)
                 log = self.capture_log
-                log.mode, log.streams, log.why = "eager", getattr(getattr(self.module, "schedule", None),
-                                                                  "num_streams", None), \
-                    "not captured: cuda_graph=False, or no CUDA inputs (the plan runs in issue order)"
+                if log.mode != "eager":  # it runs eagerly for good: said once, not on every call
+                    log.mode, log.streams, log.why = "eager", getattr(getattr(module, "schedule", None),
+                                                                      "num_streams", None), \
+                        "not captured: cuda_graph=False, or no CUDA inputs (the plan runs in issue order)"
         except Exception as exc:
             error = self._batches.explain(exc, inputs, targets)  # None: not the batch's fault
             if error is None:
