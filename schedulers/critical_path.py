@@ -41,7 +41,7 @@ import networkx as nx
 
 from schedulers.coarsen import with_trivial_attached
 from schedulers.stream_memory import MemoryTracker
-from schedulers.schedule import Schedule, build_schedule, check_dag, insertion_order, node_cost, register
+from schedulers.schedule import Schedule, build_schedule, check_dag, node_cost, register
 
 __all__ = ["critical_path", "bottom_levels"]
 
@@ -105,7 +105,6 @@ def critical_path(
     heapq.heapify(ready)
 
     memory = MemoryTracker(dag, num_streams) if memory_budget is not None else None
-    program = insertion_order(dag) if memory is not None else []  # the order the look-ahead issues the rest in
     free = [0.0] * num_streams
     finish: dict[Hashable, float] = {}
     stream: dict[Hashable, int] = {}
@@ -123,8 +122,7 @@ def critical_path(
 
         candidates = list(range(num_streams))
         if memory is not None:
-            rest = [u for u in program if u not in stream and u != v]
-            fits = [t for t in candidates if memory.fits_if(v, t, rest, memory_budget)]
+            fits = [t for t in candidates if memory.fits_if(v, t, memory_budget)]
             candidates = fits or [min(candidates, key=lambda t: (memory.total_if(v, t), t != 0, t))]
             memory.issue(v, t := min(candidates, key=lambda t: (finish_on(t), t not in home, t)))
         else:

@@ -31,6 +31,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import networkx as nx
 
+from schedulers.schedule import insertion_order
+
 __all__ = ["MemoryTracker", "node_bytes", "stream_peaks", "peak_bytes", "memory_budget"]
 
 
@@ -61,6 +63,8 @@ class MemoryTracker:
         self.peak = [0] * streams
         self._stream: dict[Hashable, int] = {}
         self._waiting = {v: dag.out_degree(v) for v in dag.nodes}  # successors not yet issued
+        self._unissued = sum(node_bytes(dag, v) for v in dag.nodes)  # bytes of the nodes not yet issued
+        self._program: list[Hashable] | None = None  # program order, made where a look-ahead first needs it
 
     def total(self) -> int:
         """The program's bytes so far: the sum of the streams' peaks."""
@@ -76,22 +80,27 @@ class MemoryTracker:
         other = MemoryTracker.__new__(MemoryTracker)
         other.dag, other.live, other.peak = self.dag, list(self.live), list(self.peak)
         other._stream, other._waiting = dict(self._stream), dict(self._waiting)
+        other._unissued, other._program = self._unissued, self._program
         return other
 
-    def fits_if(self, v: Hashable, stream: int, rest: Sequence[Hashable], budget: int) -> bool:
-        """Whether issuing ``v`` on ``stream`` leaves the program within ``budget`` with ``rest`` (the nodes not
-        yet issued, in an order that keeps dependencies) all issued on stream 0 after it.
+    def fits_if(self, v: Hashable, stream: int, budget: int) -> bool:
+        """Whether issuing ``v`` on ``stream`` leaves the program within ``budget`` with every node not yet
+        issued then issued on stream 0, in program order.
 
         Looking ahead keeps the budget where a branch would otherwise take
         its share early and leave a later join no room on any stream.
         """
         if self.total_if(v, stream) > budget:
             return False
-        if self.total() + sum(node_bytes(self.dag, u) for u in rest) + node_bytes(self.dag, v) <= budget:
+        if self.total() + self._unissued <= budget:
             return True  # everything left fits even if nothing were ever freed
+        if self._program is None:
+            self._program = insertion_order(self.dag)
         trial = self.copy()
         trial.issue(v, stream)
-        for u in rest:
+        for u in self._program:
+            if u in trial._stream:
+                continue
             trial.issue(u, 0)
             if trial.total() > budget:
                 return False
@@ -100,6 +109,7 @@ class MemoryTracker:
     def issue(self, v: Hashable, stream: int) -> None:
         """Issue ``v`` on ``stream``: its outputs become live there; inputs whose last reader it is are freed."""
         self._stream[v] = stream
+        self._unissued -= node_bytes(self.dag, v)
         self.live[stream] += node_bytes(self.dag, v)
         self.peak[stream] = max(self.peak[stream], self.live[stream])
         for u in self.dag.predecessors(v):
