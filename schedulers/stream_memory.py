@@ -142,14 +142,17 @@ def peak_bytes(dag: nx.DiGraph, order: Sequence[Hashable], stream: Mapping[Hasha
     return sum(stream_peaks(dag, order, stream))
 
 
-def memory_budget(one_stream_peak: int, factor: float = 1.05, free: int | None = None) -> int:
-    """Return the bytes a multi-stream program may need: ``factor`` times the one-stream program's peak, and never
-    more than that peak plus ``free`` (what the device has left, where known).
+def memory_budget(one_stream_peak: int, factor: float = 1.05, free: int | None = None, at_least: int = 0) -> int:
+    """Return the bytes a multi-stream program may need: ``factor`` times the one-stream program's peak, and at
+    least ``at_least`` bytes more than it, but never more than that peak plus ``free`` (what the device has left,
+    where known).
 
     >>> memory_budget(100), memory_budget(100, free=2), memory_budget(100, factor=1.5, free=None)
     (105, 102, 150)
+    >>> memory_budget(100, at_least=8), memory_budget(100, free=2, at_least=8)
+    (108, 102)
     """
     if factor < 1:
         raise ValueError(f"factor must be >= 1 (the one-stream program must fit its own budget), got {factor!r}")
-    budget = int(one_stream_peak * factor)
+    budget = max(int(one_stream_peak * factor), one_stream_peak + at_least)
     return budget if free is None else min(budget, one_stream_peak + max(free, 0))

@@ -53,5 +53,4 @@ def plan_budget(dag: nx.DiGraph, device: torch.device | None, factor: float = FA
     nothing of memory (no node with ``bytes``)."""
     if not any(b for _, b in dag.nodes(data="bytes")):
         return None
-    peak = one_stream_peak(dag)
-    return schedulers.memory_budget(peak, max(factor, (peak + FLOOR) / peak if peak else factor), free_bytes(device))
+    return schedulers.memory_budget(one_stream_peak(dag), factor, free_bytes(device), at_least=FLOOR)
