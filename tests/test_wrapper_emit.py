@@ -11,6 +11,8 @@ model then goes through inductor on the CPU and must train like eager.
 from __future__ import annotations
 
 import copy
+import gzip
+from pathlib import Path
 
 import pytest
 import torch
@@ -456,3 +458,148 @@ def test_stream_counts_whose_schedules_coincide_are_one_candidate_with_the_singl
                                key_parts=("inputs",))
         assert placed.installed and placed.decision.source == "measurement" and placed.plan.num_streams == 2
     assert widths == [1, 1] and keys[0] == keys[1], (widths, keys)
+
+
+# ---------------------------------------------------------------- outputs allocated on the caller's stream
+
+
+BRANCHES = """
+import torch
+triton_poi_fused_copy_0 = async_compile.triton('triton_poi_fused_copy_0', '''
+@triton.jit
+def triton_poi_fused_copy_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    pass
+''', device_str='cuda')
+
+def call(args):
+    primals_1, primals_2 = args
+    args.clear()
+    with torch.cuda._DeviceGuard(0):
+        torch.cuda.set_device(0)
+        buf0 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [a0], Original ATen: [aten.relu]
+        stream0 = get_raw_stream(0)
+        triton_poi_fused_copy_0.run(primals_1, buf0, 8, stream=stream0)
+        buf1 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [a1], Original ATen: [aten.relu]
+        triton_poi_fused_copy_0.run(buf0, buf1, 8, stream=stream0)
+        del buf0
+        buf2 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [b0], Original ATen: [aten.relu]
+        triton_poi_fused_copy_0.run(primals_2, buf2, 8, stream=stream0)
+        buf3 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [b1], Original ATen: [aten.relu]
+        triton_poi_fused_copy_0.run(buf2, buf3, 8, stream=stream0)
+        del buf2
+    return (buf1, buf3, )
+"""
+
+
+def streams_of(steps) -> list[int]:
+    """The stream each step is issued on."""
+    current, out = 0, []
+    for s in steps:
+        current = s.index if s.op == "switch" else current
+        out.append(current)
+    return out
+
+
+def allocations(plan) -> dict[str, int]:
+    """{name an allocation binds: its position in the plan's steps}."""
+    return {name: i for i, s in enumerate(plan.steps) if s.op == "stmt" and s.statement.fresh
+            and s.statement.kind == "host" for name in s.statement.binds}
+
+
+def test_an_output_first_written_on_a_side_stream_is_allocated_on_the_callers_stream_at_the_start():
+    """Branch a (temporary buf0, output buf1) runs on the caller's stream, branch b (buf2, buf3) on stream 1.
+
+    With ``hoist_outputs`` only buf3 moves: an output whose first writer is
+    on a side stream. The temporary buf2 stays on its side stream (freed
+    inside the call, its block serves that stream's next allocation); the
+    output buf1 is written on the caller's stream anyway. Without it, buf3
+    is made on stream 1, where it is written.
+    """
+    program = parse_wrapper(BRANCHES, {"torch": torch})
+    dag = launch_dag(program, {}, default_cost=1.0)
+    order = [s.index for s in program.launches]
+    a0, a1, b0, b1 = order
+    schedule = schedulers.build_schedule(dag, order, {a0: 0, a1: 0, b0: 1, b1: 1}, "test")
+    for hoist in (True, False):
+        plan = plan_emission(program, schedule, dag, hoist_outputs=hoist)
+        at = allocations(plan)
+        stream = streams_of(plan.steps)
+        first_launch = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and s.statement.is_launch)
+        first_switch = next(i for i, s in enumerate(plan.steps) if s.op == "switch")
+        launch_at = {s.statement.index: i for i, s in enumerate(plan.steps)
+                     if s.op == "stmt" and s.statement.is_launch}
+        assert stream[launch_at[b1]] == 1 and stream[launch_at[a1]] == 0
+        # the temporaries and the output the caller's stream writes: right before their first launch, on its stream
+        assert at["buf0"] == launch_at[a0] - 1 and stream[at["buf0"]] == 0
+        assert at["buf1"] == launch_at[a1] - 1 and stream[at["buf1"]] == 0
+        assert at["buf2"] == launch_at[b0] - 1 and stream[at["buf2"]] == 1
+        at_end = dict(plan.protect_at_end)
+        assert "buf1" not in at_end
+        if hoist:
+            assert plan.outputs_hoisted == 1
+            assert at["buf3"] < first_launch and at["buf3"] < first_switch and stream[at["buf3"]] == 0
+            assert at_end["buf3"] == (1,)  # made on the caller's stream, written on stream 1
+        else:
+            assert plan.outputs_hoisted == 0
+            assert at["buf3"] == launch_at[b1] - 1 and stream[at["buf3"]] == 1
+            assert "buf3" not in at_end
+
+
+def test_place_kernels_passes_hoist_outputs_to_every_plan(monkeypatch):
+    from concur import _torch_compat as compat
+    from concur.dag.cost import Roofline
+    from concur.inductor.placement import place_kernels
+
+    fake_compiled(monkeypatch, BRANCHES)
+    monkeypatch.setattr(compat, "inductor_generated_call", lambda compiled: lambda args: None)
+    roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
+    costs = dict.fromkeys(["a0", "a1", "b0", "b1"], (10.0, {}))
+    for hoist in (True, False):
+        placed = place_kernels(object(), costs, roof, 4, "critical_path", hoist_outputs=hoist)
+        assert placed.installed and placed.plan.num_streams == 2
+        # the branches are alike: whichever runs on the side stream has its output moved
+        assert placed.plan.outputs_hoisted == (1 if hoist else 0)
+
+
+GOOGLENET_FWD = (Path(__file__).parent / "fixtures" / "wrappers" / "torch2.11.0-cuda" / "googlenet_bf16_cl_fwd"
+                 / "wrapper.py.gz")
+
+
+@pytest.fixture(scope="module")
+def googlenet_forward():
+    """GoogLeNet's bf16 forward as inductor wrote it on an H100 (torch 2.11), reuses split, with its launch DAG."""
+    from concur.inductor.wrapper_parse import source_namespace
+
+    source = gzip.open(GOOGLENET_FWD, "rt").read()
+    program = parse_wrapper(source, source_namespace(source), split_reuses=True)
+    return program, launch_dag(program, {}, 1.0)
+
+
+def test_a_real_forward_allocates_its_side_stream_outputs_before_the_first_launch(googlenet_forward):
+    from concur.dag import decide
+
+    program, dag = googlenet_forward
+    schedule = decide.schedule_graph(dag, 4, "critical_path", 2.0)
+    assert schedule.num_streams == 4
+    plain = plan_emission(program, schedule, dag)
+    plan = plan_emission(program, schedule, dag, hoist_outputs=True)  # _check_plan raises on a broken plan
+    first_launch = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and s.statement.is_launch)
+    assert all(s.op == "stmt" for s in plan.steps[:first_launch])  # nothing switched streams before it
+    before = {name for name, i in allocations(plan).items() if i < first_launch}
+    moved = before - {name for name, i in allocations(plain).items() if i < first_launch}
+    assert plain.outputs_hoisted == 0 and plan.outputs_hoisted == len(moved) > 0
+    plain_stream = streams_of(plain.steps)
+    deleted = {n for s in program.statements if s.kind == "del" for n in s.uses}
+    at_end = dict(plan.protect_at_end)
+    protected = {s.name for s in plan.steps if s.op == "protect"}
+    for name in moved:
+        assert plain_stream[allocations(plain)[name]] != 0, name  # it was made on a side stream
+        # now made on the caller's stream, the side streams are recorded on it: at the end, or where it is deleted
+        # (it outlives the call through a kept reuse's buffer in its memory)
+        assert at_end.get(name) if name not in deleted else name in protected, name
+    assert moved & deleted  # a storage escaping through a kept reuse moves too
+    assert plan.num_launches == plain.num_launches and plan.num_waits == plain.num_waits

@@ -15,7 +15,11 @@ streams of the launches in the generated ``call`` function:
 3. host statements (allocations, aliases, shape checks) go right before the
    first launch that touches their storage, on its stream (an allocation's
    stream is where the caching allocator will reuse it), and each ``del`` right
-   after the last statement naming it;
+   after the last statement naming it; with ``hoist_outputs``, an allocation
+   whose storage outlives the call and is first touched on a side stream
+   goes at the start on the caller's stream instead (:func:`hoisted_outputs`),
+   so that when the caller frees it (a forward's saved activations, freed in
+   backward) its block serves the caller's stream again;
 4. a storage used on a stream other than the one it was allocated on is
    protected with ``record_stream`` when its name dies, as in
    :mod:`concur.streams`;
@@ -50,7 +54,11 @@ import schedulers
 
 from concur.dag import decide
 from concur.dag.hazards import hazard_edges
+from concur.inductor.kernel_signatures import _ALLOCATORS, _COPYABLE_ALLOCATORS, _dotted
 from concur.inductor.wrapper_program import _ALIGNING_COPIES, KernelProgram, Reuse, Statement
+
+# allocators outside the caching allocator (symmetric memory): no stream owns their blocks, so nothing is hoisted
+_UNCACHED_ALLOCATORS = _ALLOCATORS - _COPYABLE_ALLOCATORS
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class KernelStreamPlan:
     predicted_speedup: float
     reuses_kept: int = 0    # inductor's reuse lines emitted as it wrote them (the new buffer in the old memory)
     reuses_fresh: int = 0   # reuse lines emitted as a fresh allocation, their buffers not ordered otherwise
+    outputs_hoisted: int = 0  # allocations moved to the start, on the caller's stream (hoisted_outputs)
 
 
 def launch_dag(program: KernelProgram, node_costs: Mapping[str, tuple[float, dict]],
@@ -163,7 +172,8 @@ def _storages(program: KernelProgram, kept: frozenset[int]) -> dict[str, str]:
     return storage
 
 
-def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph) -> KernelStreamPlan:
+def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph, *,
+                  hoist_outputs: bool = False) -> KernelStreamPlan:
     """Return the rewritten call as steps: launches in schedule order, host statements placed around them.
 
     A split reuse (:attr:`KernelProgram.reuses`) is kept where
@@ -172,6 +182,10 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     one: its home is the stream its allocation was placed on, and every
     stream that touched any group living in it is recorded when a name of
     it dies.
+
+    With ``hoist_outputs``, the allocations :func:`hoisted_outputs` picks
+    go at the start, on the caller's stream, and are counted in
+    :attr:`KernelStreamPlan.outputs_hoisted`.
 
     Four phases: host statements are anchored to launches
     (:func:`_sequence`), each ``del`` goes after the last statement naming
@@ -187,9 +201,11 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     fresh = {r.statement: r.fresh for r in program.reuses if r.statement not in kept}
     statements = sorted((fresh.get(s.index, s) if s.kind == "host" else s for s in program.statements),
                         key=lambda s: s.index)
-    sequence = _sequence(program, schedule, statements)
+    storage = _storages(program, kept)
+    hoisted = hoisted_outputs(schedule, statements, storage) if hoist_outputs else frozenset()
+    sequence = _sequence(program, schedule, statements, hoisted)
     dels = [s for s in statements if s.kind == "del"]
-    emitter = _Emitter(schedule, _storages(program, kept))
+    emitter = _Emitter(schedule, storage)
     steps = emitter.emit(sequence, _dels_after(sequence, dels))
     at_end = emitter.protect_at_end(program, sequence, dels)
     _check_plan(program, kept, dag, steps)
@@ -197,18 +213,67 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(emitter.events),
                             len(schedule.waits), len(program.launches),
                             sum(1 for s in program.launches if s.kind == "barrier"), prediction.ideal_speedup,
-                            prediction.speedup, program.reuse_lines - len(fresh), len(fresh))
+                            prediction.speedup, program.reuse_lines - len(fresh), len(fresh), len(hoisted))
 
 
-def _sequence(program: KernelProgram, schedule: schedulers.Schedule,
-              statements: list[Statement]) -> list[tuple[Statement, int]]:
+def hoisted_outputs(schedule: schedulers.Schedule, statements: list[Statement],
+                    storage: Mapping[str, str]) -> frozenset[int]:
+    """Return the allocations (statement indices) to make at the start of the call, on the caller's stream.
+
+    An allocation qualifies when it uses no name the region binds (it could
+    already go first), its storage outlives the call (a name living in it,
+    directly, as a view or through a kept reuse of ``storage``, is never
+    deleted) and the first launch touching that storage, in ``schedule``'s
+    issue order, is on a side stream.
+
+    Why: the caching allocator gives a freed block back only to the stream
+    that allocated it, so an output allocated on a side stream (a forward's
+    activation saved for backward) serves no allocation of the caller's
+    stream once the caller frees it. Made on the caller's stream right
+    after the fork, it is safe: any block the caller's stream freed before
+    was last used by work queued before the fork, which every side stream
+    waits for, and the side streams that then use it are recorded on it
+    when the call ends (:meth:`_Emitter.protect_at_end`). Storage first
+    touched on the caller's stream stays where it is, where moving it
+    earlier would only make it live longer; so does symmetric memory, which
+    no stream owns.
+    """
+    bound = {name for s in statements for name in s.binds}
+    deleted = {name for s in statements if s.kind == "del" for name in s.uses}
+    group_of: dict[str, str | None] = {}
+    for s in statements:
+        for name in s.binds:
+            group_of[name] = s.bind_group
+    escaping = {storage.get(g, g) for name, g in group_of.items() if g is not None and name not in deleted}
+    launches = {s.index: s for s in statements if s.is_launch}
+    first_stream: dict[str, int] = {}
+    for v in schedule.order:
+        s = launches[v]
+        for g in s.groups | s.reads | s.writes:
+            first_stream.setdefault(storage.get(g, g), schedule.stream[v])
+    return frozenset(s.index for s in statements
+                     if s.kind == "host" and s.fresh and not (s.uses & bound)
+                     and any(storage.get(g, g) in escaping and first_stream.get(storage.get(g, g), 0) != 0
+                             for g in s.fresh)
+                     and not _calls(s, _UNCACHED_ALLOCATORS))
+
+
+def _calls(s: Statement, functions: frozenset[str] | set[str]) -> bool:
+    """Whether the statement calls one of ``functions`` (by the last part of its dotted name)."""
+    return any(isinstance(n, ast.Call) and (_dotted(n.func) or "").split(".")[-1] in functions
+               for n in ast.walk(s.node))
+
+
+def _sequence(program: KernelProgram, schedule: schedulers.Schedule, statements: list[Statement],
+              hoisted: frozenset[int] = frozenset()) -> list[tuple[Statement, int]]:
     """Return every statement but the ``del``s in issue order, with the stream it runs on.
 
     A host statement goes right before the first launch (in issue order)
     that touches its storage and comes after whatever binds the names it
     uses; one that touches no storage and uses no launch's result goes at
     the start, one no later launch touches at the end, both on the caller's
-    stream.
+    stream. The host statements in ``hoisted`` (:func:`hoisted_outputs`) go
+    at the start as well.
     """
     in_order = program.launches  # a property that filters every statement: read once, not per host statement
     launches = {s.index: s for s in in_order}
@@ -223,8 +288,10 @@ def _sequence(program: KernelProgram, schedule: schedulers.Schedule,
             continue
         if s.kind != "host":
             continue
-        if not s.groups and not (s.uses & set(binder_position)):
+        if s.index in hoisted or (not s.groups and not (s.uses & set(binder_position))):
             anchor[s.index] = -1
+            for name in s.binds:
+                binder_position[name] = 0
             continue
         ready = max((binder_position.get(n, 0) for n in s.uses), default=0)
         later = [position[k.index] for k in in_order
