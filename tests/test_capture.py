@@ -229,3 +229,105 @@ def test_what_was_missing_is_read_from_the_allocators_error_else_the_error_raise
             raise RuntimeError("CUDA error: out of memory")
     except RuntimeError as exc:
         assert shortfall(exc) == "CUDA error: out of memory"
+
+
+# --- a compiled step keeps the streams that fit: the backward graphs' programs go first ------------------------
+
+class PlanSwitch:
+    """An installed multi-stream program's switch (``InstalledPlan.use_streams``): whether it runs."""
+
+    def __init__(self):
+        self.on = True
+
+    def __call__(self, on):
+        self.on = on
+
+
+def compiled_run(monkeypatch, runner, batches):
+    """A ``compile=True`` step on CPU: torch.compile stands aside (the model runs as it is) and the backend is a
+    real ConcurBackend holding a forward and a backward graph, each with a multi-stream program installed."""
+    from concur.inductor.placement import InstalledPlan
+    from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
+
+    switches = {False: PlanSwitch(), True: PlanSwitch()}  # by is_backward
+    made = []
+
+    def make_backend(streams, scheduler, **options):
+        backend = ConcurBackend(BackendOptions(streams=streams, scheduler=scheduler, measure=False))
+        for record, is_backward in enumerate((False, True)):
+            backend.graphs.append(CompiledGraphInfo(is_backward, 12, 12, streams, 3, None))
+            backend._install(record, InstalledPlan(None, None, switches[is_backward]))
+        made.append(streams)
+        return backend
+
+    monkeypatch.setattr(train_mod, "backend", make_backend)
+    monkeypatch.setattr(torch, "compile", lambda model, backend, dynamic: model)
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    model, ref = make_model(), make_model()
+    opt, ref_opt = SGD_M(model), SGD_M(ref)
+    step = concur.train_step(model, loss_fn, opt, batches[0], streams=2, compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [step(x, y).item() for x, y in batches]
+    assert_same_run(losses, plain_loop(ref, ref_opt, batches), model, ref)
+    said = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+    return step, said, switches, made
+
+
+def test_a_compiled_step_out_of_memory_switches_off_its_backward_graphs_streams_first(monkeypatch):
+    """The step's peak is at the start of backward: the backward graphs' programs go first, the forward graphs
+    keep their streams, nothing compiles again, and one warning says what was missing."""
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(5))
+    assert switches[False].on and not switches[True].on
+    assert made == [2] and not step.failed_streams, "the same compiled module, not one compiled for 1 stream"
+    forward, backward = step.backends[2].graphs
+    assert (forward.num_streams, backward.num_streams) == (2, 1) and backward.decided_by == "memory"
+    (warning,) = said
+    assert "backward graphs run on 1 stream" in warning and "20.00 MiB" in warning
+    status = step.status
+    assert status.captured and status.streams == 2 and "backward graphs run on 1 stream" in status.why
+    assert (status.captures, status.failures) == (1, 1)
+
+
+def test_a_compiled_step_that_still_does_not_fit_runs_every_graph_on_one_stream_then_eagerly(monkeypatch):
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)] * 2)
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4))
+    assert not switches[False].on and not switches[True].on and made == [2]
+    (warning,) = said
+    assert "it runs on 1 stream" in warning and "20.00 MiB" in warning
+    assert step.status.captured and step.status.streams == 1 and "1 stream" in step.status.why
+
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)] * 3)
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(3))
+    assert made == [2], "its one-stream program did not fit: one compiled for 1 stream would not either"
+    assert len(runner.attempts) == 3 and step.status.mode == "eager"
+    assert any("runs eagerly" in w for w in said)
+
+
+def test_narrowing_plans_for_memory_switches_off_backward_graphs_first_then_all_and_graphs_compiled_later():
+    """What a step that does not fit in memory switches off (ConcurBackend.narrow_plans): the backward graphs'
+    programs, then every graph's; a graph compiled after (a new input shape) follows the narrowing at once."""
+    from concur.inductor.placement import InstalledPlan
+    from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
+
+    backend = ConcurBackend(BackendOptions(streams=3, measure=False))
+    running = {}
+
+    def install(is_backward):
+        record = len(backend.graphs)
+        backend.graphs.append(CompiledGraphInfo(is_backward, 9, 9, 3, 2, None))
+        running[record] = True
+        backend._install(record, InstalledPlan(None, None, lambda on, r=record: running.__setitem__(r, on)))
+        return record
+
+    fwd, bwd = install(False), install(True)
+    assert backend.narrowed is None
+    assert backend.narrow_plans("out of memory") == "backward"
+    assert running == {fwd: True, bwd: False}
+    assert backend.graphs[bwd].num_streams == 1 and backend.graphs[bwd].one_stream_reason == "out of memory"
+    later_fwd, later_bwd = install(False), install(True)
+    assert running[later_fwd] and not running[later_bwd] and backend.graphs[later_bwd].decided_by == "memory"
+    assert backend.narrow_plans("still out of memory") == "all"
+    assert not any(running.values()) and all(g.num_streams == 1 for g in backend.graphs)
+    assert backend.narrow_plans("again") is None

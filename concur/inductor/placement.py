@@ -78,7 +78,7 @@ class PlacedKernels:
     # the decision waits for the graph's first call, which times both programs on its inputs (first_call)
     pending: bool = False
     convolutions_split: int = 0  # joint convolution backward calls split in what runs (installed plans only)
-    # installed plans decided with ``measure`` only: how to switch back to inductor's call
+    # installed plans: how to switch back to inductor's call
     installed_plan: InstalledPlan | None = None
 
 
@@ -224,8 +224,15 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                               written_inputs(program), len(program.inputs)))
             return PlacedKernels(plans[timed[0]], False, launches - added, "not decided yet: the graph's first "
                                  "call times both programs on its inputs", reuses_kept=as_written, pending=True)
-    # a measured decision can be revisited over the whole step, which needs inductor's own call at hand
-    own = compat.inductor_generated_call(compiled) if measure is not None else None
+    # inductor's own call at hand: a measured decision can be revisited over the whole step, and a step that does
+    # not fit in memory switches plans off (ConcurBackend.narrow_plans)
+    if measure is not None:
+        own = compat.inductor_generated_call(compiled)
+    else:  # only narrowing needs it here: a graph whose call is not found keeps its plan
+        try:
+            own = compat.inductor_generated_call(compiled)
+        except ValueError:
+            own = None
     if decision.keep:
         replace(rewritten(decision.candidate))
     return placed(decision, own)

@@ -116,7 +116,7 @@ class CompiledGraphInfo:
     # what the keep-or-drop decision rested on: "prediction", "measurement" or "cache" ("" if none was made;
     # "pending" until the graph's first call, which times both programs on its inputs); "step measurement" or
     # "step cache" where train_step's decision over the whole step dropped a plan this graph kept
-    # (concur.training.step_streams)
+    # (concur.training.step_streams); "memory" where the step with it did not fit (ConcurBackend.narrow_plans)
     decided_by: str = ""
     measured_speedup: float | None = None  # one stream's measured time over the plan's, where it was timed
 
@@ -158,6 +158,11 @@ class ConcurBackend:
         # index in ``graphs`` -> the multi-stream program installed there (the wrapper route's), until
         # train_step weighs it over the whole step (concur.training.step_streams)
         self._installed: dict[int, InstalledPlan] = {}
+        # index in ``graphs`` -> every multi-stream program still running, weighed or not: what a step
+        # that does not fit in memory can switch off (narrow_plans)
+        self._running: dict[int, InstalledPlan] = {}
+        self._narrowed: str | None = None  # the plans narrow_plans switched off: None, "backward" or "all"
+        self._narrowed_why = ""
 
     def __repr__(self) -> str:
         o = self.options
@@ -234,11 +239,12 @@ class ConcurBackend:
             self.graphs[record] = dataclasses.replace(old, **_decided(placed), weight_grad_ops=old.weight_grad_ops
                                                       - old.convolutions_split + placed.convolutions_split)
             if placed.installed_plan is not None:
-                self._installed[record] = placed.installed_plan
+                self._install(record, placed.installed_plan)
 
         try:
             placed = place_kernels(compiled, node_costs, roof, decide.stream_counts(o.streams), o.scheduler,
-                                   o.min_predicted_speedup, split_reuses=ordered, label=f"the {'backward' if is_backward else 'forward'} "
+                                   o.min_predicted_speedup, split_reuses=ordered, hoist_outputs=not is_backward,
+                                   label=f"the {'backward' if is_backward else 'forward'} "
                                    f"graph of {num_ops} ops", on_decided=on_decided, weight_grad_split=splits,
                                    **self._measuring(example_inputs, is_backward))
         except Exception as exc:  # noqa: BLE001 - any failure here means: run inductor's output as it is
@@ -256,8 +262,14 @@ class ConcurBackend:
             predicted_speedup=plan.predicted_speedup if plan else 1.0, num_barriers=plan.num_barriers if plan else 0,
             fallback_reason=None, **_decided(placed)))
         if placed.installed_plan is not None:
-            self._installed[record] = placed.installed_plan
+            self._install(record, placed.installed_plan)
         return compiled
+
+    def _install(self, record: int, plan: InstalledPlan) -> None:
+        """Keep ``plan`` (graph ``record``'s) at hand; a graph of a kind narrowed before runs inductor's call."""
+        self._installed[record] = self._running[record] = plan
+        if self._narrowed == "all" or (self._narrowed == "backward" and self.graphs[record].is_backward):
+            self._switch_off([record], self._narrowed_why, "memory")
 
     # -- the decision over the whole step (concur.training.step_streams) -------------------------
 
@@ -276,13 +288,45 @@ class ConcurBackend:
 
     def drop_installed_plans(self, reason: str, decided_by: str) -> None:
         """Put :meth:`installed_plans`' graphs back on inductor's call for good, saying why in ``graphs``."""
-        for i, plan in sorted(self._installed.items()):
+        self._switch_off(sorted(self._installed), reason, decided_by)
+
+    @property
+    def narrowed(self) -> str | None:
+        """What :meth:`narrow_plans` switched off so far: None, "backward" or "all"."""
+        return self._narrowed
+
+    def narrow_plans(self, reason: str) -> str | None:
+        """Switch off the next group of multi-stream programs for a step that does not fit in memory.
+
+        First the backward graphs' (the step's peak is at the start of
+        backward, where their side streams allocate gradients beside every
+        saved activation), then every graph's. Inductor's own call needs no
+        recompile and no memory of its own beyond one stream's. Graphs
+        compiled later (a new input shape) get the same treatment. Returns
+        what was switched off ("backward" or "all"), None where nothing runs
+        on streams any more.
+        """
+        forward = [i for i in self._running if not self.graphs[i].is_backward]
+        backward = [i for i in self._running if self.graphs[i].is_backward]
+        if not forward and not backward:
+            return None
+        self._narrowed = "backward" if forward and backward else "all"
+        self._narrowed_why = reason
+        self._switch_off(backward if self._narrowed == "backward" else forward + backward, reason, "memory")
+        return self._narrowed
+
+    def _switch_off(self, records: Sequence[int], reason: str, decided_by: str) -> None:
+        """Put graphs ``records`` back on inductor's call for good, saying why in ``graphs``."""
+        for i in records:
+            plan = self._running.pop(i, None) or self._installed.get(i)
+            self._installed.pop(i, None)
+            if plan is None:
+                continue
             plan.use_streams(False)
             g = self.graphs[i]  # inductor's call: no waits, no fresh reuses, its convolution backward calls joint
             self.graphs[i] = dataclasses.replace(g, num_streams=1, num_waits=0, one_stream_reason=reason,
                                                  reuses_fresh=0, convolutions_split=0, decided_by=decided_by,
                                                  weight_grad_ops=g.weight_grad_ops - g.convolutions_split)
-        self._installed.clear()
 
     def _measuring(self, example_inputs: Sequence[Any], is_backward: bool) -> dict[str, Any]:
         """Return how :func:`place_kernels` times and caches its decision here: nothing without a GPU.
