@@ -243,7 +243,7 @@ class PlanSwitch:
         self.on = on
 
 
-def compiled_run(monkeypatch, runner, batches):
+def compiled_run(monkeypatch, runner, batches, backward_plans=True):
     """A ``compile=True`` step on CPU: torch.compile stands aside (the model runs as it is) and the backend is a
     real ConcurBackend holding a forward and a backward graph, each with a multi-stream program installed."""
     from concur.inductor.placement import InstalledPlan
@@ -254,7 +254,8 @@ def compiled_run(monkeypatch, runner, batches):
 
     def make_backend(streams, scheduler, **options):
         backend = ConcurBackend(BackendOptions(streams=streams, scheduler=scheduler, measure=False))
-        for record, is_backward in enumerate((False, True)):
+        kinds = () if streams == 1 else (False, True) if backward_plans else (False,)  # streams=1: inductor's
+        for record, is_backward in enumerate(kinds):
             backend.graphs.append(CompiledGraphInfo(is_backward, 12, 12, streams, 3, None))
             backend._install(record, InstalledPlan(None, None, switches[is_backward]))
         made.append(streams)
@@ -290,24 +291,33 @@ def test_a_compiled_step_out_of_memory_switches_off_its_backward_graphs_streams_
     assert (status.captures, status.failures) == (1, 1)
 
 
-def test_a_compiled_step_that_still_does_not_fit_runs_every_graph_on_one_stream_then_eagerly(monkeypatch):
+def test_a_compiled_step_that_still_does_not_fit_drops_to_one_stream_then_runs_eagerly(monkeypatch):
+    """With the backward graphs on one stream it still does not fit: the module is given back and one compiled
+    for one stream captures (what the 4-stream module held goes with it); where that fails too, eager."""
     runner = FailingGraphs([torch.OutOfMemoryError(OOM)] * 2)
     step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4))
-    assert not switches[False].on and not switches[True].on and made == [2]
-    (warning,) = said
-    assert "it runs on 1 stream" in warning and "20.00 MiB" in warning
-    assert step.status.captured and step.status.streams == 1 and "1 stream" in step.status.why
+    assert made == [2, 1] and step.failed_streams == {2} and 2 not in step.backends
+    assert len(said) == 1 and "running it on 1 stream instead" in said[0] and "20.00 MiB" in said[0]
+    assert step.status.captured and step.status.streams == 1 and (step.status.captures, step.status.failures) == (1, 2)
 
     runner = FailingGraphs([torch.OutOfMemoryError(OOM)] * 3)
     step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(3))
-    assert made == [2], "its one-stream program did not fit: one compiled for 1 stream would not either"
-    assert len(runner.attempts) == 3 and step.status.mode == "eager"
+    assert made == [2, 1] and len(runner.attempts) == 3 and step.status.mode == "eager"
     assert any("runs eagerly" in w for w in said)
 
 
-def test_narrowing_plans_for_memory_switches_off_backward_graphs_first_then_all_and_graphs_compiled_later():
+def test_a_compiled_step_with_only_forward_graphs_on_streams_drops_to_one_stream_at_once(monkeypatch):
+    """No backward graph runs on streams: switching nothing off cannot help, so there is no second attempt."""
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(3), backward_plans=False)
+    assert made == [2, 1] and len(runner.attempts) == 2 and step.status.streams == 1
+    assert len(said) == 1 and "running it on 1 stream instead" in said[0]
+
+
+def test_narrowing_plans_for_memory_switches_off_the_backward_graphs_and_those_compiled_later():
     """What a step that does not fit in memory switches off (ConcurBackend.narrow_plans): the backward graphs'
-    programs, then every graph's; a graph compiled after (a new input shape) follows the narrowing at once."""
+    programs, while a forward graph keeps its streams; a backward graph compiled after (a new input shape) runs
+    inductor's call at once; with no forward graph on streams, nothing (the step drops to one stream)."""
     from concur.inductor.placement import InstalledPlan
     from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
 
@@ -321,13 +331,13 @@ def test_narrowing_plans_for_memory_switches_off_backward_graphs_first_then_all_
         backend._install(record, InstalledPlan(None, None, lambda on, r=record: running.__setitem__(r, on)))
         return record
 
-    fwd, bwd = install(False), install(True)
-    assert backend.narrowed is None
-    assert backend.narrow_plans("out of memory") == "backward"
-    assert running == {fwd: True, bwd: False}
-    assert backend.graphs[bwd].num_streams == 1 and backend.graphs[bwd].one_stream_reason == "out of memory"
+    lone_backward = install(True)
+    assert not backend.narrow_plans("out of memory") and running[lone_backward], "no forward graph keeps streams"
+    fwd = install(False)
+    assert not backend.narrowed and backend.narrow_plans("out of memory") and backend.narrowed
+    assert running == {lone_backward: False, fwd: True}
+    bwd = backend.graphs[lone_backward]
+    assert bwd.num_streams == 1 and bwd.one_stream_reason == "out of memory" and bwd.decided_by == "memory"
     later_fwd, later_bwd = install(False), install(True)
     assert running[later_fwd] and not running[later_bwd] and backend.graphs[later_bwd].decided_by == "memory"
-    assert backend.narrow_plans("still out of memory") == "all"
-    assert not any(running.values()) and all(g.num_streams == 1 for g in backend.graphs)
-    assert backend.narrow_plans("again") is None
+    assert not backend.narrow_plans("again"), "nothing more to switch off"

@@ -161,8 +161,7 @@ class ConcurBackend:
         # index in ``graphs`` -> every multi-stream program still running, weighed or not: what a step
         # that does not fit in memory can switch off (narrow_plans)
         self._running: dict[int, InstalledPlan] = {}
-        self._narrowed: str | None = None  # the plans narrow_plans switched off: None, "backward" or "all"
-        self._narrowed_why = ""
+        self._narrowed_why: str | None = None  # why narrow_plans switched the backward graphs' programs off
 
     def __repr__(self) -> str:
         o = self.options
@@ -268,7 +267,7 @@ class ConcurBackend:
     def _install(self, record: int, plan: InstalledPlan) -> None:
         """Keep ``plan`` (graph ``record``'s) at hand; a graph of a kind narrowed before runs inductor's call."""
         self._installed[record] = self._running[record] = plan
-        if self._narrowed == "all" or (self._narrowed == "backward" and self.graphs[record].is_backward):
+        if self._narrowed_why is not None and self.graphs[record].is_backward:
             self._switch_off([record], self._narrowed_why, "memory")
 
     # -- the decision over the whole step (concur.training.step_streams) -------------------------
@@ -290,30 +289,33 @@ class ConcurBackend:
         """Put :meth:`installed_plans`' graphs back on inductor's call for good, saying why in ``graphs``."""
         self._switch_off(sorted(self._installed), reason, decided_by)
 
+    def running_plans(self) -> list[tuple[CompiledGraphInfo, InstalledPlan]]:
+        """Every graph whose multi-stream program runs now, with its switch (``use_streams``), in compile order."""
+        return [(self.graphs[i], self._running[i]) for i in sorted(self._running)]
+
     @property
-    def narrowed(self) -> str | None:
-        """What :meth:`narrow_plans` switched off so far: None, "backward" or "all"."""
-        return self._narrowed
+    def narrowed(self) -> bool:
+        """Whether :meth:`narrow_plans` switched the backward graphs' programs off."""
+        return self._narrowed_why is not None
 
-    def narrow_plans(self, reason: str) -> str | None:
-        """Switch off the next group of multi-stream programs for a step that does not fit in memory.
+    def narrow_plans(self, reason: str) -> bool:
+        """Switch off the backward graphs' multi-stream programs, for a step that does not fit in memory.
 
-        First the backward graphs' (the step's peak is at the start of
-        backward, where their side streams allocate gradients beside every
-        saved activation), then every graph's. Inductor's own call needs no
-        recompile and no memory of its own beyond one stream's. Graphs
-        compiled later (a new input shape) get the same treatment. Returns
-        what was switched off ("backward" or "all"), None where nothing runs
-        on streams any more.
+        The step's peak is at the start of backward, where the backward's side
+        streams allocate gradients beside every saved activation; the forward
+        graphs keep their streams. Inductor's own call needs no recompile.
+        Backward graphs compiled later (a new input shape) run inductor's call
+        at once. Returns False, changing nothing, where no forward graph would
+        keep streams: then the step needs what one compiled for one stream
+        needs, and what this module holds is better given back with it.
         """
         forward = [i for i in self._running if not self.graphs[i].is_backward]
         backward = [i for i in self._running if self.graphs[i].is_backward]
-        if not forward and not backward:
-            return None
-        self._narrowed = "backward" if forward and backward else "all"
+        if not forward or not backward:
+            return False
         self._narrowed_why = reason
-        self._switch_off(backward if self._narrowed == "backward" else forward + backward, reason, "memory")
-        return self._narrowed
+        self._switch_off(backward, reason, "memory")
+        return True
 
     def _switch_off(self, records: Sequence[int], reason: str, decided_by: str) -> None:
         """Put graphs ``records`` back on inductor's call for good, saying why in ``graphs``."""

@@ -12,9 +12,9 @@ replay is exactly the user's first step. Otherwise warm-up runs whole steps
 
 A capture that fails for another reason than memory is tried once more in
 a new pool. One that runs out of memory keeps the streams where memory
-allows: a compiled step switches off its backward graphs' multi-stream
-programs, then every graph's (the step's peak is at the start of backward);
-an unfused one, or one that fails again, falls back to one stream, for this
+allows: a compiled step first switches off its backward graphs'
+multi-stream programs (the step's peak is at the start of backward); where
+that does not fit, or the step is unfused, it falls back to one stream, for this
 and later input shapes, and then to eager execution, with one warning each;
 what the failed attempt held (its module, graphs, pool and cached blocks) is
 given back first (:func:`capture_with_fallback`). The step
@@ -97,11 +97,11 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     A capture that fails for another reason than memory (a graph freed by
     another thread mid-capture, say) is tried once more, in a new pool, after
     what it held is given back. One that runs out of memory is not: a
-    compiled step switches off its graphs' multi-stream programs, the
-    backward graphs' first, and captures what is left (:func:`_capture_on`);
-    an unfused one, or a compiled one with nothing left on streams, drops to
-    one stream, for this and later input shapes, with one warning that says
-    how much memory was missing. Eager execution is the last resort, with a
+    compiled step first switches its backward graphs' multi-stream programs
+    off and captures once more (:func:`_capture_on`); where that does not
+    fit either, or the step is unfused, it drops to one stream, for this and
+    later input shapes, with one warning that says how much memory was
+    missing. Eager execution is the last resort, with a
     warning that says why and how to capture again.
     """
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
@@ -113,8 +113,8 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         if captured is not None:
             _keep(step, key, captured)
             return captured
-        if streams == 1 or (memory and _runs_one_stream(step, streams)):
-            break  # its one-stream program did not fit: a module compiled for one stream would need as much
+        if streams == 1:
+            break
         # free the module (and the compiled code) that did not fit or cannot be captured
         step.failed_streams.add(streams)
         step.modules.pop(streams, None)
@@ -141,13 +141,13 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
     failed, whether it ran out of memory, attempts made).
 
     A failure for another reason than memory is tried again, up to
-    :data:`CAPTURE_TRIES` attempts. Out of memory, a compiled step switches
-    off its next group of multi-stream programs and tries what is left
-    (:func:`_narrow`), until nothing is left on streams; the warning that
-    says so comes once, where a capture succeeds.
+    :data:`CAPTURE_TRIES` attempts. Out of memory, a compiled step whose
+    forward and backward graphs both run on streams switches its backward
+    graphs' programs off and tries once more (:func:`_narrow`); the warning
+    that says so comes where that capture succeeds.
     """
     log = step.capture_log
-    why, memory, attempt, narrowed, narrowed_why = "", False, 0, None, ""
+    why, memory, attempt, narrowed = "", False, 0, ""
     while attempt < CAPTURE_TRIES:
         attempt += 1
         try:
@@ -158,49 +158,36 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
             captured = None
         # outside the except block: its traceback no longer holds the failed attempt's tensors
         if captured is not None:
-            log.recovered += attempt > 1
-            if narrowed is not None:
-                did_not_fit, runs = NARROWED[narrowed]
-                step._warn_once(f"concur.train_step: the step with {did_not_fit} on streams "
-                                f"does not fit in memory ({narrowed_why}); {runs}, for this and later input shapes.")
+            log.recovered += attempt > 1 and not narrowed
+            if narrowed:
+                step._warn_once(f"concur.train_step: the step with every graph on streams does not fit in memory "
+                                f"({narrowed}); its backward graphs run on 1 stream, its forward graphs keep "
+                                "theirs, for this and later input shapes.")
             return captured, why, memory, attempt
         log.failures += 1
         step._trial = None
         step._runner.failed()
-        if memory:
-            narrowed_now = _narrow(step, streams, why)
-            if narrowed_now is None:
-                break
-            narrowed, narrowed_why = narrowed_now, why
-            attempt = 0  # the same module with fewer graphs on streams: attempts of its own
+        if not memory:
+            continue
+        if narrowed or not _narrow(step, streams, why):
+            break
+        narrowed, attempt = why, 0  # the same module, its backward graphs on one stream: attempts of its own
     return None, why, memory, attempt
 
 
-# what narrow_plans switched off -> (what did not fit, what runs now)
-NARROWED = {"backward": ("every graph", "its backward graphs run on 1 stream, its forward graphs keep theirs"),
-            "all": ("its forward graphs", "it runs on 1 stream")}
-
-
-def _narrow(step: CapturingStep, streams: int | str, why: str) -> str | None:
-    """Where the compiled step on ``streams`` ran out of memory, switch off the next group of its graphs'
-    multi-stream programs (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it;
-    return the group ("backward", "all"), or None where nothing is left to switch off (or the step is not
-    compiled: an unfused step drops to its one-stream module)."""
+def _narrow(step: CapturingStep, streams: int | str, why: str) -> bool:
+    """Where the compiled step on ``streams`` ran out of memory, switch its backward graphs' multi-stream
+    programs off (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return whether
+    it did (False for an unfused step, which drops to its one-stream module, and where no forward graph would
+    keep streams)."""
     backend = step.backends.get(streams) if step.compile else None
-    narrowed = backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})") \
-        if backend is not None else None
-    if narrowed is not None:
-        did_not_fit, runs = NARROWED[narrowed]
-        step.capture_log.fallbacks.append(f"the step with {did_not_fit} on streams does not fit in memory "
-                                          f"({why}); {runs}")
-    return narrowed
-
-
-def _runs_one_stream(step: CapturingStep, streams: int | str) -> bool:
-    """Whether the compiled step on ``streams`` runs every graph on one stream: a module compiled for one
-    stream would need the same memory (and a compile)."""
-    backend = step.backends.get(streams) if step.compile else None
-    return backend is not None and bool(backend.graphs) and all(g.num_streams == 1 for g in backend.graphs)
+    if backend is None or not backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})"):
+        return False
+    if not step.graphs:  # the backward's side streams' cuBLAS workspaces, where no graph replays into them
+        compat.clear_cublas_workspaces()
+    step.capture_log.fallbacks.append(f"the step with every graph on streams does not fit in memory ({why}); its "
+                                      "backward graphs run on 1 stream, its forward graphs keep theirs")
+    return True
 
 
 def _keep(step: CapturingStep, key: tuple, captured: Captured) -> None:

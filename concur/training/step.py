@@ -219,7 +219,7 @@ class TrainStep:
 
     def _why_fewer_streams(self, captured: Captured, streams: int) -> str:
         """Why ``captured`` runs ``streams`` streams where more were asked for; "" where it runs what was asked."""
-        narrowed = self.compile and getattr(self.backends.get(captured.streams), "narrowed", None)
+        narrowed = self.compile and getattr(self.backends.get(captured.streams), "narrowed", False)
         if (captured.streams != self.requested_streams or narrowed) and self.capture_log.fallbacks:
             return self.capture_log.fallbacks[-1]
         asked = self.requested_streams

@@ -1,0 +1,115 @@
+"""A compiled step's memory and speed by which of its graphs run on streams: every graph, the forward graphs,
+the backward graphs, none.
+
+    PYTHONPATH=. python -m experiments.plan_memory --out DIR [--networks googlenet inception_v3] [--batch 64]
+
+Per network, one process (no memory limit): ``train_step(compile=True)``'s
+defaults (bf16 autocast, channels-last, SGD with momentum, as
+``experiments/memory.py``) are set up, then the step is captured again, in a
+pool of its own, with each subset of its graphs' multi-stream programs
+switched on (:meth:`concur.inductor.stream_backend.ConcurBackend.running_plans`)
+and the rest on inductor's own call, in alternating rounds. A row per
+network in DIR/plan_memory.jsonl: each subset's ms per step (CUDA events,
+one figure per round) and the reserved MB of its graph pool by stream (the
+caching allocator's segments): how much of a multi-stream step's memory
+each kind of graph costs, and what its streams give back in speed. This is
+what a step under memory pressure chooses between (:mod:`concur.training.capture`
+switches the backward graphs' programs off first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from experiments.memory import breakdown
+from experiments.sweep_models import cuda_setup
+
+SUBSETS: dict[str, Callable[[Any], bool]] = {  # which graphs keep their streams, by CompiledGraphInfo
+    "all": lambda graph: True,
+    "forward": lambda graph: not graph.is_backward,
+    "backward": lambda graph: graph.is_backward,
+    "none": lambda graph: False,
+}
+
+
+def pool_by_stream(segments: dict[str, list[float]]) -> dict[str, float]:
+    """Reserved MB of the newest graph pool by stream, from :func:`experiments.memory.breakdown`'s keys
+    (``"poolA.B streamN"``; the default pool is left out)."""
+    pools = {key.split()[0] for key in segments if key.startswith("pool")}
+    newest = max(pools, key=lambda p: tuple(int(x) for x in p[4:].split(".")), default=None)
+    return {key.split()[1]: reserved for key, (reserved, _) in segments.items() if key.split()[0] == newest}
+
+
+def measure(network: str, batch: int, rounds: int, steps: int) -> dict:
+    """Set up the compiled step of ``network`` and return each subset's ms per round and graph pool by stream."""
+    import concur
+
+    model, example, loss_fn, optimizer = cuda_setup(network, batch)
+    step = concur.train_step(model, loss_fn, optimizer(model.parameters()), example, amp_dtype=torch.bfloat16,
+                             compile=True)
+    for _ in range(3):
+        step(*example)
+    torch.cuda.synchronize()
+    plans = [p for backend in step.backends.values() for p in backend.running_plans()]
+    row: dict = {"network": network, "batch": batch, "status": str(step.status),
+                 "plans": [{"backward": g.is_backward, "streams": g.num_streams, "launches": g.num_launches}
+                           for g, _ in plans],
+                 "subsets": {name: {"ms": []} for name in SUBSETS}}
+    for _ in range(rounds):
+        for name, keeps in SUBSETS.items():
+            for graph, plan in plans:
+                plan.use_streams(keeps(graph))
+            # a capture of its own in a new pool (the step's internals: this tool measures them)
+            step.graphs.clear()
+            step._gradients.bound = None
+            step._runner.new_pool()
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            for _ in range(5):
+                step(*example)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                step(*example)
+            end.record()
+            torch.cuda.synchronize()
+            subset = row["subsets"][name]
+            subset["ms"].append(start.elapsed_time(end) / steps)
+            subset["pool_mb_by_stream"] = pool_by_stream(breakdown())
+            subset["pool_mb"] = sum(subset["pool_mb_by_stream"].values())
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="the folder of plan_memory.jsonl")
+    ap.add_argument("--networks", nargs="+", default=["googlenet", "inception_v3"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the four subsets")
+    ap.add_argument("--steps", type=int, default=30, help="steps timed per subset and round")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("experiments.plan_memory needs a CUDA device: it captures and times the step")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for network in args.networks:
+        row = measure(network, args.batch, args.rounds, args.steps)
+        with open(args.out / "plan_memory.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for name, subset in row["subsets"].items():
+            print(f"{network} b{args.batch} {name:8s} ms {[round(m, 2) for m in subset['ms']]} "
+                  f"pool {subset['pool_mb']:.0f} MB {subset['pool_mb_by_stream']}")
+
+
+if __name__ == "__main__":
+    main()
