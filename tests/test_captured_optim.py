@@ -1,4 +1,9 @@
-"""concur.training.captured_optim: the device-tensor update is torch's step, and follows new hyperparameters."""
+"""concur.training.captured_optim: the device-tensor update is torch's step, follows new hyperparameters, and
+costs no more than torch's foreach step.
+
+Costs are counted on the CPU, per step, as the ops dispatched (each foreach op is a few multi-tensor kernels
+on a GPU, whatever the number of parameters) and the elements of the tensors they allocate.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from concur import _torch_compat as compat
 from concur.training.captured_optim import DeviceHyperparameters, build_update, structure, unsupported_reason
 
 OPTIMIZERS = {
@@ -149,3 +155,170 @@ def test_adam_allocates_no_more_than_torchs_capturable_step_with_tensor_betas(ma
     update()
     per_parameter_scalars = 16 * len(params)  # bias corrections: vectors of one value per parameter
     assert _count(update).new_elements <= 2 * sum(p.numel() for p in params) + per_parameter_scalars
+
+
+# ---------------------------------------------------------------- Adam against torch's step: ops, temporaries, numbers
+
+SHAPES = [(16, 8), (16,), (4, 16), (8, 3, 3)]  # none of them (4,) or (2, 4): the step-count vectors
+UNCOUNTED = {"aten.lift_fresh", "aten.detach", "aten.unbind", "aten.select", "aten.alias", "prim.device",
+             "profiler._record_function_enter_new", "profiler._record_function_exit"}
+
+
+class _Count(TorchDispatchMode):
+    """Ops on parameter-sized tensors, ops on scalars only, host reads, and new parameter-sized elements."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = {torch.Size(s) for s in shapes}
+        self.per_parameter, self.scalar, self.host_reads, self.new_elements = [], [], 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if name == "aten._local_scalar_dense":
+            self.host_reads += 1
+        elif name not in UNCOUNTED:
+            ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            sized = [t for t in ins + outs if t.shape in self.shapes]
+            (self.per_parameter if sized else self.scalar).append(name)
+            owned = {t.untyped_storage().data_ptr() for t in ins}
+            self.new_elements += sum(t.numel() for t in outs
+                                     if t.shape in self.shapes and t.untyped_storage().data_ptr() not in owned)
+        return out
+
+
+def _counts(make):
+    """Count one step of torch's foreach ``step()`` and of the captured update, each after a first step."""
+    torch.manual_seed(0)
+    ref = [torch.randn(s, requires_grad=True) for s in SHAPES]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    for a, b in zip(ref, ours):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+    torch_opt, opt = make(ref, foreach=True), make(ours)
+    torch_opt.step()
+    update = build_update(opt, DeviceHyperparameters(opt), ours)
+    update()
+    counted = []
+    for step in (torch_opt.step, update):
+        with _Count(SHAPES) as c:
+            step()
+        counted.append(c)
+    return counted
+
+
+ADAM = {
+    "adam": lambda p, **kw: torch.optim.Adam(p, lr=1e-3, **kw),
+    "adamw": lambda p, **kw: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, **kw),
+    "adamw_no_decay": lambda p, **kw: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0, **kw),
+    "adam_maximize": lambda p, **kw: torch.optim.Adam(p, lr=1e-3, maximize=True, **kw),
+    "adam_decay_maximize": lambda p, **kw: torch.optim.Adam(p, lr=1e-3, weight_decay=0.01, maximize=True, **kw),
+    "adamw_amsgrad": lambda p, **kw: torch.optim.AdamW(p, lr=1e-3, amsgrad=True, **kw),
+    "adamw_amsgrad_maximize": lambda p, **kw: torch.optim.AdamW(p, lr=1e-3, amsgrad=True, maximize=True, **kw),
+}
+
+
+@pytest.mark.parametrize("make", ADAM.values(), ids=ADAM.keys())
+def test_adam_dispatches_no_more_ops_and_temporaries_than_torchs_foreach_step(make):
+    theirs, mine = _counts(make)
+    assert len(mine.per_parameter) <= len(theirs.per_parameter), (mine.per_parameter, theirs.per_parameter)
+    assert mine.new_elements <= theirs.new_elements, (mine.new_elements, theirs.new_elements)
+    # torch reads each step count on the host (two .item() per parameter); the captured update cannot
+    assert mine.host_reads == 0
+    # its bias corrections: kernels over one vector of step counts, as many as torch's capturable step launches
+    assert len(mine.scalar) <= 9, mine.scalar
+
+
+def test_adams_l2_decay_costs_at_most_one_op_more_than_torchs_and_no_temporary_more():
+    """torch adds ``wd*p`` to the gradient in one op with ``wd`` a host number; read from the device it takes two."""
+    theirs, mine = _counts(lambda p, **kw: torch.optim.Adam(p, lr=1e-3, weight_decay=0.01, **kw))
+    assert len(mine.per_parameter) <= len(theirs.per_parameter) + 1, (mine.per_parameter, theirs.per_parameter)
+    assert mine.new_elements <= theirs.new_elements
+
+
+NUMERICS = {
+    "adam": lambda p, **kw: torch.optim.Adam(p, lr=0.01, **kw),
+    "adam_decay": lambda p, **kw: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, **kw),
+    "adamw": lambda p, **kw: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, **kw),
+    "adam_decay_maximize": lambda p, **kw: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, maximize=True, **kw),
+    "adamw_maximize": lambda p, **kw: torch.optim.AdamW(p, lr=0.01, maximize=True, **kw),
+    "adamw_amsgrad": lambda p, **kw: torch.optim.AdamW(p, lr=0.01, amsgrad=True, **kw),
+}
+
+
+@pytest.mark.parametrize("make", NUMERICS.values(), ids=NUMERICS.keys())
+def test_adam_equals_torchs_step_under_one_cycle_with_parameters_of_different_step_counts(make):
+    """float64, OneCycleLR moving lr and beta1 every step, lr 0 at the last step, and one parameter that
+    sat out the first two steps (so it has taken fewer), against torch's foreach and for-loop steps."""
+    torch.manual_seed(0)
+    shapes = [(5, 3), (3,), (2, 5)]
+    ref = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    loop = [p.detach().clone().requires_grad_() for p in ref]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    opts = [make(ref, foreach=True), make(loop, foreach=False), make(ours)]
+    lrs = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=8, pct_start=0.5) for o in opts]
+    update = None
+    for i in range(8):
+        grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        for params in (ref, loop, ours):
+            for j, p in enumerate(params):
+                p.grad = None if i < 2 and j == 2 else grads[j].clone()
+        if i == 2:  # built once, as a graph is captured once; ours[2] has no state yet
+            hyper = DeviceHyperparameters(opts[2])
+            update = build_update(opts[2], hyper, ours)
+        if i == 7:
+            for o in opts:
+                o.param_groups[0]["lr"] = 0.0
+        opts[0].step()
+        opts[1].step()
+        if update is None:
+            opts[2].step()
+        else:
+            hyper.refresh()
+            update()
+        for s in lrs:
+            s.step()
+    for theirs in (ref, loop):
+        for p, q in zip(theirs, ours):
+            torch.testing.assert_close(q, p, rtol=1e-13, atol=1e-15)
+    for p, q in zip(ref, ours):
+        for name, value in opts[0].state[p].items():
+            torch.testing.assert_close(opts[2].state[q][name], value, rtol=1e-13, atol=1e-15)
+
+
+def test_a_tensor_beta2_is_read_where_it_lives():
+    """A tensor beta2 changed in place between steps reaches the built update (torch's for-loop step reads it too)."""
+    torch.manual_seed(0)
+    ref = [torch.randn(5, 3, dtype=torch.float64, requires_grad=True)]
+    ours = [ref[0].detach().clone().requires_grad_()]
+    betas = [(torch.tensor(0.9, dtype=torch.float64), torch.tensor(0.99, dtype=torch.float64)) for _ in range(2)]
+    torch_opt = torch.optim.Adam(ref, lr=0.01, betas=betas[0], weight_decay=0.1, foreach=False)
+    opt = torch.optim.Adam(ours, lr=0.01, betas=betas[1], weight_decay=0.1)
+    ours[0].grad = torch.zeros_like(ours[0])
+    hyper = DeviceHyperparameters(opt)
+    update = build_update(opt, hyper, ours)
+    for beta2 in (0.99, 0.95, 0.999, 0.9):
+        for b in betas:
+            b[1].fill_(beta2)
+        ref[0].grad = torch.randn_like(ref[0])
+        ours[0].grad.copy_(ref[0].grad)
+        torch_opt.step()
+        hyper.refresh()
+        update()
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_sgd", "fallback"])
+@pytest.mark.parametrize("negate", [False, True])
+def test_foreach_lerp_is_torchs_lerp(fused, negate, monkeypatch):
+    """With aten's fused SGD, and without it (older torch; float64 on CUDA), the same numbers as torch.lerp."""
+    if not fused:
+        monkeypatch.setattr(compat, "_fused_sgd_tensor_lr", lambda: None)
+    torch.manual_seed(0)
+    xs = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    ys = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    expected = [torch.lerp(x, -y if negate else y, 0.1) for x, y in zip(xs, ys)]
+    compat.foreach_lerp_(xs, ys, torch.tensor(0.1, dtype=torch.float64), negate=negate)
+    for x, e in zip(xs, expected):
+        torch.testing.assert_close(x, e, rtol=1e-15, atol=1e-16)

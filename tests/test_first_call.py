@@ -1,6 +1,6 @@
 """A graph's streams decided at its first call, timed on that call's inputs (concur.inductor.first_call).
 
-The timer is faked as in tests/test_measured_decision.py: ``alternating_replays``
+The timer is faked as in tests/test_decide_routes.py: ``alternating_replays``
 runs each program once (so what would be replayed really runs, writing what it
 writes) and returns fixed rounds. The unit tests drive :class:`FirstCall` with
 small Python programs that do what inductor's calls do (empty their argument
@@ -27,7 +27,7 @@ from concur.inductor import first_call
 from concur.inductor.first_call import FirstCall, FirstCallTiming
 from tests.models import DropoutBranches, WideNet
 # the same faked timer, rounds and decision cache as the other routes' tests (cache_dir is an autouse fixture)
-from tests.test_measured_decision import FASTER, SLOWER, FakeReplays, cache_dir  # noqa: F401
+from tests.test_decide_routes import FASTER, SLOWER, FakeReplays, cache_dir  # noqa: F401
 
 KEEPS = decide.Prediction(num_streams=2, serial_us=10.0, ideal_us=5.0, streams_us=6.0)  # the prediction keeps it
 

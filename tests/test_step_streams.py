@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import concur
 import concur.training.step as train_mod
-from tests.test_measured_decision import FASTER, SLOWER, wrapper_timing
+from tests.test_decide_routes import FASTER, SLOWER, wrapper_timing
 from tests.test_step_habits import EmulatedGraphs
 from tests.test_backward_split import LAUNCH_LIGHT, ConvChain
 

@@ -1,5 +1,5 @@
-"""Never slower: ops that do no arithmetic cost no stream switch, and a plan
-predicted slower than one stream is not used.
+"""Never slower than one stream by prediction (concur.dag.decide): ops that do no arithmetic cost no stream
+switch, and a plan predicted slower than one stream is not used.
 
 The models copy what timm does: ``BNAct`` calls batch norm functionally, so BatchNorm's
 ``num_batches_tracked.add_(1)`` is an op of the traced graph (a 0-d int64 kernel with no

@@ -1,4 +1,5 @@
-"""Measured decisions through each route, on CPU, with the GPU's timer faked.
+"""The measured decision (concur.dag.decide) through each route, the fx path and the backend's wrapper route,
+streams="auto" included, on CPU with the GPU's timer faked.
 
 :func:`concur.dag.measure.can_time` says yes and the timer runs both programs
 once (so what each route hands it really runs) and returns the rounds a GPU
