@@ -5,8 +5,8 @@ anything runs on a GPU (``streams="auto"`` builds up to three per graph).
 Equality tests cannot see it, so it is counted: the Python function calls
 one step makes (deterministic, unlike wall time), against bounds per
 statement of GoogLeNet's bf16 backward on the H100 (torch 2.11, 2362
-statements, 397 launches). Before the bounds, emission deep-copied every
-statement per program and re-filtered the launches per host statement:
+statements, 397 launches). An emission that deep-copied every statement
+per program, or filtered the launches again per host statement, would make
 about 1950 calls per statement, a second or more per program.
 """
 
@@ -52,9 +52,9 @@ def test_reading_planning_and_building_a_program_cost_calls_in_proportion_to_the
     plan_calls, plan = _counted(lambda: plan_emission(program, schedule, dag))
     build_calls, _ = _counted(lambda: build_call(program, plan, dict(namespace)))
     assert n > 2000 and plan.num_streams == 4
-    assert parse_calls < 700 * n, parse_calls     # 1.24M calls (was 4.2M: ast.walk's generators)
-    assert plan_calls < 40 * n, plan_calls        # 48k (was 3.3M)
-    assert build_calls < 40 * n, build_calls      # 52k (was 1.3M: a deep copy of every statement)
+    assert parse_calls < 700 * n, parse_calls     # about 1.2M calls: no generator per ast.walk node
+    assert plan_calls < 40 * n, plan_calls        # about 48k: linear in the statements
+    assert build_calls < 40 * n, build_calls      # about 52k: statements shared, never deep-copied
 
 
 def test_building_programs_shares_the_wrappers_nodes_and_leaves_them_as_they_were():

@@ -32,7 +32,7 @@ parameters; ``weight_decay`` and ``eps`` stay floats; and the tensor
 which a CUDA graph cannot capture. ``_fused_adam_`` and ``_fused_sgd_`` take
 a tensor ``lr`` only, with float betas and momentum. So the updates are
 written here, each in no more multi-tensor ops and temporaries than torch's
-foreach ``step()`` (see ``tests/test_captured_optim_ops.py``), except Adam's
+foreach ``step()`` (see ``tests/test_captured_optim.py``), except Adam's
 L2 weight decay, one op more (below).
 """
 
