@@ -3,7 +3,7 @@
 Counted, not timed: the CUDA kernels one replay launches (torch.profiler) and the peak memory of setup and of
 the steady state, each beside the recipe's on the same model, batch, optimizer and precision.
 
-    PYTHONPATH=. python -m pytest -q -s -m cuda tests/test_gpu_lean_step.py
+    PYTHONPATH=. python -m pytest -q -s -m cuda tests/test_gpu_step_cost.py
 """
 
 from __future__ import annotations

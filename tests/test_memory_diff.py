@@ -1,5 +1,5 @@
 """experiments/memory_diff.py on the CPU: its command line, and its refusal without a GPU (it reads the CUDA caching
-allocator's history; tests/test_gpu_lean_step.py runs it on one)."""
+allocator's history; tests/test_gpu_step_cost.py runs it on one)."""
 
 from __future__ import annotations
 
