@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python -m experiments.memory --out DIR [--jobs 4]
     PYTHONPATH=. python -m experiments.memory --out DIR --networks googlenet --batches 64 --paths fused --streams auto
+    PYTHONPATH=. python -m experiments.memory --out DIR --batches 64 --jobs 1 --without-streams1   (speeds, alone)
 
 For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
 (experiments/peers.py: ``compile_graph_step`` on the fused path,
@@ -104,9 +105,12 @@ class Side:
 RECIPE_ALONE = Side("recipe_alone", "recipe")
 
 
-def limited_sides(extra_streams: list[str]) -> list[Side]:
-    """The runs under the limit: the recipe, concur's defaults, concur on one stream, then each extra stream count."""
-    sides = [Side("recipe", "recipe"), Side("concur", "concur"), Side("concur_streams1", "concur", 1)]
+def limited_sides(extra_streams: list[str], without_streams1: bool = False) -> list[Side]:
+    """The runs under the limit: the recipe, concur's defaults, concur on one stream (unless ``without_streams1``:
+    a run that times the defaults alone saves a compile), then each extra stream count."""
+    sides = [Side("recipe", "recipe"), Side("concur", "concur")]
+    if not without_streams1:
+        sides.append(Side("concur_streams1", "concur", 1))
     for s in extra_streams:
         if f"concur_streams{s}" not in {side.name for side in sides}:
             sides.append(Side(f"concur_streams{s}", "concur", s if s == "auto" else int(s)))
@@ -353,7 +357,7 @@ def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], 
     emit(alone)
     rows = [alone]
     reserved = alone.get("peak_reserved_mb") if alone["outcome"] != "error" else None
-    for side in limited_sides(args.streams):
+    for side in limited_sides(args.streams, args.without_streams1):
         if reserved is None:
             row = dict(base_row(_payload(config, side, args, None)), outcome="skipped", oom=False,
                        error=f"the recipe alone gave no peak to limit by ({alone.get('error_type')})")
@@ -452,6 +456,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="steps after setup, for the peaks")
     ap.add_argument("--timed-steps", type=int, default=20, help="steps timed with CUDA events, after those")
     ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
+    ap.add_argument("--without-streams1", action="store_true",
+                    help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

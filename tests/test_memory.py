@@ -67,6 +67,14 @@ def test_each_limited_run_gets_the_recipes_peak_reserved_times_the_limit(tmp_pat
         assert p["limit_bytes"] == pytest.approx(1.05 * 1000 * MB) and p["limit"] == 1.05
 
 
+def test_without_streams1_runs_the_recipe_and_the_defaults_only(tmp_path, monkeypatch):
+    launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    memory.run(memory.parse_args(["--out", str(tmp_path), "--networks", "googlenet", "--batches", "64", "--paths",
+                                  "fused", "--without-streams1"]))
+    assert [p["side"] for p in launcher.payloads] == ["recipe_alone", "recipe", "concur"]
+
+
 def test_the_fraction_is_the_limit_over_the_devices_total_and_set_before_setup(monkeypatch):
     order = []
     monkeypatch.setattr(memory, "_device", lambda: ("Fake GPU", 4000 * MB))
