@@ -226,13 +226,12 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                                  "call times both programs on its inputs", reuses_kept=as_written, pending=True)
     # inductor's own call at hand: a measured decision can be revisited over the whole step, and a step that does
     # not fit in memory switches plans off (ConcurBackend.narrow_plans)
-    if measure is not None:
+    try:
         own = compat.inductor_generated_call(compiled)
-    else:  # only narrowing needs it here: a graph whose call is not found keeps its plan
-        try:
-            own = compat.inductor_generated_call(compiled)
-        except ValueError:
-            own = None
+    except ValueError:
+        if measure is not None:
+            raise
+        own = None  # only narrowing needs it here: a graph whose call is not found keeps its plan
     if decision.keep:
         replace(rewritten(decision.candidate))
     return placed(decision, own)

@@ -320,7 +320,7 @@ class ConcurBackend:
     def _switch_off(self, records: Sequence[int], reason: str, decided_by: str) -> None:
         """Put graphs ``records`` back on inductor's call for good, saying why in ``graphs``."""
         for i in records:
-            plan = self._running.pop(i, None) or self._installed.get(i)
+            plan = self._running.pop(i, None)  # every installed plan is running until switched off
             self._installed.pop(i, None)
             if plan is None:
                 continue

@@ -249,13 +249,6 @@ class TrainStep:
                                                          measure=api.DEFERRED if self._can_trial() else True)
         return self.modules[streams]
 
-    def _eager_module(self) -> nn.Module:
-        """The module an input shape left eager runs: the one asked for where it was kept (a compiled step whose
-        graphs all went back to one stream runs what one compiled for one stream would, without compiling
-        again), else the one-stream module."""
-        kept = self.modules.get(self.requested_streams)
-        return kept if kept is not None and self.requested_streams not in self.failed_streams else self._module(1)
-
     def _can_trial(self) -> bool:
         """Whether a new decision between plans is timed on the first calls (:mod:`concur.training.trial`).
 
@@ -340,7 +333,7 @@ class TrainStep:
         log = self.capture_log
         if captured is None:
             log.mode, log.streams, log.why = "eager", 1, (log.fallbacks or ["no capture succeeded"])[-1]
-            return self._body.eager(inputs, targets, self._eager_module(), phase)
+            return self._body.eager(inputs, targets, self._module(1), phase)
         if captured is not self._gradients.bound:
             self.graphs.move_to_end(key)
         trial = self._trial if self._trial is not None and self._trial.key == key else None
