@@ -2,6 +2,7 @@
 the backward graphs, none.
 
     PYTHONPATH=. python -m experiments.plan_memory --out DIR [--networks googlenet inception_v3] [--batch 64]
+        [--allocations caller|launching]
 
 Per network, one process (no memory limit): ``train_step(compile=True)``'s
 defaults (bf16 autocast, channels-last, SGD with momentum, as
@@ -14,7 +15,10 @@ one figure per round) and the reserved MB of its graph pool by stream (the
 caching allocator's segments): how much of a multi-stream step's memory
 each kind of graph costs, and what its streams give back in speed. This is
 what a step under memory pressure chooses between (:mod:`concur.training.capture`
-switches the backward graphs' programs off first).
+switches the backward graphs' programs off first). ``--allocations launching``
+makes each buffer on the stream that first uses it, as before concur made
+every buffer a side stream uses first on the caller's stream
+(:func:`concur.inductor.wrapper_emit.caller_allocations`): what that saves.
 """
 
 from __future__ import annotations
@@ -46,9 +50,22 @@ def pool_by_stream(segments: dict[str, list[float]]) -> dict[str, float]:
     return {key.split()[1]: reserved for key, (reserved, _) in segments.items() if key.split()[0] == newest}
 
 
-def measure(network: str, batch: int, rounds: int, steps: int) -> dict:
+ALLOCATIONS = ("caller", "launching")
+
+
+def allocate_on_launching_streams() -> None:
+    """Make every buffer on the stream of its first launch: no allocation is moved to the caller's stream."""
+    from concur.inductor import wrapper_emit
+
+    wrapper_emit.caller_allocations = lambda schedule, statements, storage: {}
+
+
+def measure(network: str, batch: int, rounds: int, steps: int, allocations: str = "caller") -> dict:
     """Set up the compiled step of ``network`` and return each subset's ms per round and graph pool by stream."""
     import concur
+
+    if allocations == "launching":
+        allocate_on_launching_streams()
 
     model, example, loss_fn, optimizer = cuda_setup(network, batch)
     step = concur.train_step(model, loss_fn, optimizer(model.parameters()), example, amp_dtype=torch.bfloat16,
@@ -57,7 +74,7 @@ def measure(network: str, batch: int, rounds: int, steps: int) -> dict:
         step(*example)
     torch.cuda.synchronize()
     plans = [p for backend in step.backends.values() for p in backend.running_plans()]
-    row: dict = {"network": network, "batch": batch, "status": str(step.status),
+    row: dict = {"network": network, "batch": batch, "allocations": allocations, "status": str(step.status),
                  "plans": [{"backward": g.is_backward, "streams": g.num_streams, "launches": g.num_launches}
                            for g, _ in plans],
                  "subsets": {name: {"ms": []} for name in SUBSETS}}
@@ -94,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the four subsets")
     ap.add_argument("--steps", type=int, default=30, help="steps timed per subset and round")
+    ap.add_argument("--allocations", choices=ALLOCATIONS, default="caller",
+                    help="where the rewritten graphs make the buffers a side stream uses first")
     return ap.parse_args(argv)
 
 
@@ -103,11 +122,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("experiments.plan_memory needs a CUDA device: it captures and times the step")
     args.out.mkdir(parents=True, exist_ok=True)
     for network in args.networks:
-        row = measure(network, args.batch, args.rounds, args.steps)
+        row = measure(network, args.batch, args.rounds, args.steps, args.allocations)
         with open(args.out / "plan_memory.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         for name, subset in row["subsets"].items():
-            print(f"{network} b{args.batch} {name:8s} ms {[round(m, 2) for m in subset['ms']]} "
+            print(f"{network} b{args.batch} {args.allocations} {name:8s} ms {[round(m, 2) for m in subset['ms']]} "
                   f"pool {subset['pool_mb']:.0f} MB {subset['pool_mb_by_stream']}")
 
 

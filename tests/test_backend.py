@@ -141,22 +141,22 @@ def test_inception_block_train_mode():
     assert_concurrent(backend.graphs)
 
 
-def test_forward_graphs_allocate_their_outputs_on_the_callers_stream_and_backward_graphs_do_not(monkeypatch):
-    """A forward's saved activations are freed in backward on the caller's stream, where their memory then serves
-    its allocations; a backward's outputs are gradients the step holds, for which moving them earlier only costs."""
+def test_every_graph_allocates_its_side_stream_buffers_on_the_callers_stream(monkeypatch):
+    """Forward and backward alike: a buffer made on a side stream serves only that stream once freed, so the
+    blocks the caller's stream frees (a forward's saved activations, in backward) would serve none of them."""
     from concur.inductor import stream_backend
 
-    hoisted, place = [], stream_backend.place_kernels
+    asked, place = [], stream_backend.place_kernels
 
     def spy(*args, **kwargs):
-        hoisted.append((kwargs["label"].startswith("the backward"), kwargs["hoist_outputs"]))
+        asked.append((kwargs["label"].startswith("the backward"), kwargs["allocate_on_caller"]))
         return place(*args, **kwargs)
 
     monkeypatch.setattr(stream_backend, "place_kernels", spy)
     torch.manual_seed(0)
     backend = concur.backend(streams=4, roofline=NO_MERGE)
     compare_compiled(WideNet(branches=3, channels=4), lambda: torch.randn(2, 3, 8, 8), backend, steps=1)
-    assert sorted(set(hoisted)) == [(False, True), (True, False)]
+    assert sorted(set(asked)) == [(False, True), (True, True)]
 
 
 @pytest.mark.parametrize("scheduler", ["critical_path", "fork"])

@@ -27,3 +27,12 @@ def test_the_pool_read_is_the_newest_graph_pools_by_stream():
                 "pool0.10 stream0": [1372.0, 26.0], "pool0.10 stream3": [84.0, 0.0]}
     assert plan_memory.pool_by_stream(segments) == {"stream0": 1372.0, "stream3": 84.0}
     assert plan_memory.pool_by_stream({"default stream0": [2.0, 0.0]}) == {}
+
+
+def test_launching_allocations_leave_every_buffer_on_the_stream_that_first_uses_it(monkeypatch):
+    from concur.inductor import wrapper_emit
+
+    monkeypatch.setattr(wrapper_emit, "caller_allocations", wrapper_emit.caller_allocations)  # undone after
+    assert plan_memory.parse_args(["--out", "x"]).allocations == "caller"
+    plan_memory.allocate_on_launching_streams()
+    assert wrapper_emit.caller_allocations(None, [], {}) == {}

@@ -460,10 +460,10 @@ def test_stream_counts_whose_schedules_coincide_are_one_candidate_with_the_singl
     assert widths == [1, 1] and keys[0] == keys[1], (widths, keys)
 
 
-# ---------------------------------------------------------------- outputs allocated on the caller's stream
+# ---------------------------------------------------------------- allocations on the caller's stream
 
 
-BRANCHES = """
+DIAMOND = """
 import torch
 triton_poi_fused_copy_0 = async_compile.triton('triton_poi_fused_copy_0', '''
 @triton.jit
@@ -472,26 +472,26 @@ def triton_poi_fused_copy_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
 ''', device_str='cuda')
 
 def call(args):
-    primals_1, primals_2 = args
+    primals_1, = args
     args.clear()
     with torch.cuda._DeviceGuard(0):
         torch.cuda.set_device(0)
         buf0 = empty_strided_cuda((8, ), (1, ), torch.float32)
-        # Topologically Sorted Source Nodes: [a0], Original ATen: [aten.relu]
+        # Topologically Sorted Source Nodes: [x], Original ATen: [aten.relu]
         stream0 = get_raw_stream(0)
         triton_poi_fused_copy_0.run(primals_1, buf0, 8, stream=stream0)
         buf1 = empty_strided_cuda((8, ), (1, ), torch.float32)
-        # Topologically Sorted Source Nodes: [a1], Original ATen: [aten.relu]
-        triton_poi_fused_copy_0.run(buf0, buf1, 8, stream=stream0)
-        del buf0
-        buf2 = empty_strided_cuda((8, ), (1, ), torch.float32)
         # Topologically Sorted Source Nodes: [b0], Original ATen: [aten.relu]
-        triton_poi_fused_copy_0.run(primals_2, buf2, 8, stream=stream0)
-        buf3 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        triton_poi_fused_copy_0.run(buf0, buf1, 8, stream=stream0)
+        buf2 = empty_strided_cuda((8, ), (1, ), torch.float32)
         # Topologically Sorted Source Nodes: [b1], Original ATen: [aten.relu]
-        triton_poi_fused_copy_0.run(buf2, buf3, 8, stream=stream0)
-        del buf2
-    return (buf1, buf3, )
+        triton_poi_fused_copy_0.run(buf1, buf2, 8, stream=stream0)
+        del buf1
+        buf3 = empty_strided_cuda((8, ), (1, ), torch.float32)
+        # Topologically Sorted Source Nodes: [c0], Original ATen: [aten.relu]
+        triton_poi_fused_copy_0.run(buf0, buf3, 8, stream=stream0)
+        del buf0
+    return (buf2, buf3, )
 """
 
 
@@ -510,96 +510,154 @@ def allocations(plan) -> dict[str, int]:
             and s.statement.kind == "host" for name in s.statement.binds}
 
 
-def test_an_output_first_written_on_a_side_stream_is_allocated_on_the_callers_stream_at_the_start():
-    """Branch a (temporary buf0, output buf1) runs on the caller's stream, branch b (buf2, buf3) on stream 1.
-
-    With ``hoist_outputs`` only buf3 moves: an output whose first writer is
-    on a side stream. The temporary buf2 stays on its side stream (freed
-    inside the call, its block serves that stream's next allocation); the
-    output buf1 is written on the caller's stream anyway. Without it, buf3
-    is made on stream 1, where it is written.
-    """
-    program = parse_wrapper(BRANCHES, {"torch": torch})
+def diamond_schedule():
+    """x on the caller's stream, then branch b (b0, b1) on stream 1 beside c0 on the caller's: b0 waits for x."""
+    program = parse_wrapper(DIAMOND, {"torch": torch})
     dag = launch_dag(program, {}, default_cost=1.0)
-    order = [s.index for s in program.launches]
-    a0, a1, b0, b1 = order
-    schedule = schedulers.build_schedule(dag, order, {a0: 0, a1: 0, b0: 1, b1: 1}, "test")
-    for hoist in (True, False):
-        plan = plan_emission(program, schedule, dag, hoist_outputs=hoist)
-        at = allocations(plan)
-        stream = streams_of(plan.steps)
-        first_launch = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and s.statement.is_launch)
-        first_switch = next(i for i, s in enumerate(plan.steps) if s.op == "switch")
+    x, b0, b1, c0 = (s.index for s in program.launches)
+    schedule = schedulers.build_schedule(dag, [x, b0, c0, b1], {x: 0, b0: 1, b1: 1, c0: 0}, "test")
+    return program, dag, schedule, (x, b0, b1, c0)
+
+
+def test_buffers_a_side_stream_touches_first_are_allocated_on_the_callers_stream_after_what_it_waits_for():
+    """Branch b's temporary (buf1) and output (buf2) are written first on stream 1, whose first launch waits for x.
+
+    With ``allocate_on_caller`` both are made on the caller's stream right
+    after x, the latest launch there that b0 and b1 are ordered after: not
+    at the start, where they would live longer. The side stream is recorded
+    on them where they die (buf1's ``del``, buf2 at the end). Without it,
+    each is made on stream 1 right before its first writer. c0's output
+    stays where it was, on the caller's stream.
+    """
+    program, dag, schedule, (x, b0, b1, c0) = diamond_schedule()
+    for on_caller in (True, False):
+        plan = plan_emission(program, schedule, dag, allocate_on_caller=on_caller)
+        at, stream = allocations(plan), streams_of(plan.steps)
         launch_at = {s.statement.index: i for i, s in enumerate(plan.steps)
                      if s.op == "stmt" and s.statement.is_launch}
-        assert stream[launch_at[b1]] == 1 and stream[launch_at[a1]] == 0
-        # the temporaries and the output the caller's stream writes: right before their first launch, on its stream
-        assert at["buf0"] == launch_at[a0] - 1 and stream[at["buf0"]] == 0
-        assert at["buf1"] == launch_at[a1] - 1 and stream[at["buf1"]] == 0
-        assert at["buf2"] == launch_at[b0] - 1 and stream[at["buf2"]] == 1
-        at_end = dict(plan.protect_at_end)
-        assert "buf1" not in at_end
-        if hoist:
-            assert plan.outputs_hoisted == 1
-            assert at["buf3"] < first_launch and at["buf3"] < first_switch and stream[at["buf3"]] == 0
-            assert at_end["buf3"] == (1,)  # made on the caller's stream, written on stream 1
+        assert [stream[launch_at[v]] for v in (x, b0, b1, c0)] == [0, 1, 1, 0]
+        assert at["buf3"] == launch_at[c0] - 1 and stream[at["buf3"]] == 0
+        protected = {s.name: s.streams for s in plan.steps if s.op == "protect"}
+        if on_caller:
+            assert plan.allocations_on_caller == 2
+            for name in ("buf1", "buf2"):
+                assert launch_at[x] < at[name] < launch_at[b0] and stream[at[name]] == 0, name
+            assert protected["buf1"] == (1,) and dict(plan.protect_at_end)["buf2"] == (1,)
         else:
-            assert plan.outputs_hoisted == 0
-            assert at["buf3"] == launch_at[b1] - 1 and stream[at["buf3"]] == 1
-            assert "buf3" not in at_end
+            assert plan.allocations_on_caller == 0
+            assert launch_at[x] < at["buf1"] < launch_at[b0] and stream[at["buf1"]] == 1
+            assert launch_at[b0] < at["buf2"] < launch_at[b1] and stream[at["buf2"]] == 1
+            assert "buf1" not in protected and "buf2" not in dict(plan.protect_at_end)
 
 
-def test_place_kernels_passes_hoist_outputs_to_every_plan(monkeypatch):
+def test_a_side_stream_that_waits_for_nothing_gets_its_buffers_at_the_start():
+    """Without the wait (branch b reads the input, not x), nothing on the caller's stream orders b: the fork does."""
+    source = DIAMOND.replace("run(buf0, buf1, 8", "run(primals_1, buf1, 8")
+    program = parse_wrapper(source, {"torch": torch})
+    dag = launch_dag(program, {}, default_cost=1.0)
+    x, b0, b1, c0 = (s.index for s in program.launches)
+    schedule = schedulers.build_schedule(dag, [x, b0, c0, b1], {x: 0, b0: 1, b1: 1, c0: 0}, "test")
+    plan = plan_emission(program, schedule, dag, allocate_on_caller=True)
+    first_launch = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and s.statement.is_launch)
+    assert plan.allocations_on_caller == 2
+    assert allocations(plan)["buf1"] < first_launch and allocations(plan)["buf2"] < first_launch
+
+
+def unordered_allocations(plan, program, schedule) -> list[str]:
+    """The storage groups some launch touches before the work their memory could come from is ordered before it.
+
+    An independent check by vector clocks over the emitted steps: a block an
+    allocation on stream s gets was last used on s by launches issued before
+    it, so every launch on another stream touching the buffer must have
+    waited, through events, for at least that many of s's launches.
+    """
+    from concur.inductor.wrapper_emit import _storages, kept_reuses
+
+    storage = _storages(program, kept_reuses(program, schedule))  # kept reuses put groups in older storage
+    clock: dict[int, dict[int, int]] = {}
+    events: dict[int, dict[int, int]] = {}
+    made: dict[str, tuple[int, int]] = {}  # storage -> (stream it was allocated on, that stream's launches by then)
+    bad, current = [], 0
+    for step in plan.steps:
+        vc = clock.setdefault(current, {})
+        if step.op == "switch":
+            current = step.index
+        elif step.op == "record":
+            events[step.index] = dict(vc)
+        elif step.op == "wait":
+            for k, n in events[step.index].items():
+                vc[k] = max(vc.get(k, 0), n)
+        elif step.op == "stmt" and step.statement.kind == "host" and step.statement.fresh:
+            for g in step.statement.fresh:
+                made[storage.get(g, g)] = (current, vc.get(current, 0))
+        elif step.op == "stmt" and step.statement.is_launch:
+            s = step.statement
+            for g in s.groups | s.reads | s.writes:
+                home, launched = made.get(storage.get(g, g), (current, 0))
+                if home != current and vc.get(home, 0) < launched:
+                    bad.append(g)
+            vc[current] = vc.get(current, 0) + 1
+    return bad
+
+
+def test_the_vector_clock_check_sees_an_allocation_made_too_late_on_the_callers_stream():
+    """The check above, on a plan whose caller's-stream allocation is moved after c0, which b0 does not wait for."""
+    import dataclasses
+
+    program, dag, schedule, (x, b0, b1, c0) = diamond_schedule()
+    plan = plan_emission(program, schedule, dag, allocate_on_caller=True)
+    assert unordered_allocations(plan, program, schedule) == []
+    steps = list(plan.steps)
+    i = next(i for i, s in enumerate(steps) if s.op == "stmt" and "buf1" in s.statement.binds)
+    moved = steps.pop(i)
+    c0_at = next(i for i, s in enumerate(steps) if s.op == "stmt" and s.statement.index == c0)
+    steps.insert(c0_at + 1, moved)  # still on the caller's stream, still before b0 on the host
+    bad = unordered_allocations(dataclasses.replace(plan, steps=tuple(steps)), program, schedule)
+    assert [g.split("#")[0] for g in bad] == ["buf1"]
+
+
+@pytest.mark.parametrize("graph", ["googlenet_bf16_cl_fwd", "googlenet_bf16_cl_bwd", "inception_v3_bf16_cl_bwd"])
+def test_real_graphs_allocate_every_buffer_a_side_stream_touches_first_on_the_callers_stream(graph):
+    """Inductor's GoogLeNet and Inception-v3 graphs (H100, torch 2.11) on 4 streams, reuses split.
+
+    Every ``empty_strided_cuda`` a side stream used to make moves to the
+    caller's stream (counted: none is left on a side stream), the plan
+    launches and waits as before, and every launch touching a moved buffer
+    is ordered after the caller's-stream work its block could come from
+    (:func:`unordered_allocations`).
+    """
+    from concur.dag import decide
+    from concur.inductor.wrapper_parse import source_namespace
+
+    path = Path(__file__).parent / "fixtures" / "wrappers" / "torch2.11.0-cuda" / graph / "wrapper.py.gz"
+    source = gzip.open(path, "rt").read()
+    program = parse_wrapper(source, source_namespace(source), split_reuses=True)
+    dag = launch_dag(program, {}, 1.0)
+    schedule = decide.schedule_graph(dag, 4, "critical_path", 2.0)
+    assert schedule.num_streams > 1
+    plain = plan_emission(program, schedule, dag)
+    plan = plan_emission(program, schedule, dag, allocate_on_caller=True)  # _check_plan raises on a broken plan
+
+    def on_side(p) -> set[str]:
+        stream = streams_of(p.steps)
+        return {name for name, i in allocations(p).items() if stream[i] != 0}
+
+    assert len(on_side(plain)) == plan.allocations_on_caller > 0 and on_side(plan) == set()
+    assert unordered_allocations(plan, program, schedule) == unordered_allocations(plain, program, schedule) == []
+    assert plan.num_launches == plain.num_launches and plan.num_waits == plain.num_waits
+
+
+def test_place_kernels_passes_allocate_on_caller_to_every_plan(monkeypatch):
     from concur import _torch_compat as compat
     from concur.dag.cost import Roofline
     from concur.inductor.placement import place_kernels
 
-    fake_compiled(monkeypatch, BRANCHES)
+    fake_compiled(monkeypatch, DIAMOND)
     monkeypatch.setattr(compat, "inductor_generated_call", lambda compiled: lambda args: None)
     roof = Roofline("test", flops_per_us=1e3, bytes_per_us=1e2, kernel_overhead_us=1.0)
-    costs = dict.fromkeys(["a0", "a1", "b0", "b1"], (10.0, {}))
-    for hoist in (True, False):
-        placed = place_kernels(object(), costs, roof, 4, "critical_path", hoist_outputs=hoist)
+    costs = dict.fromkeys(["x", "b0", "b1", "c0"], (10.0, {}))
+    for on_caller in (True, False):
+        placed = place_kernels(object(), costs, roof, 4, "critical_path", allocate_on_caller=on_caller)
         assert placed.installed and placed.plan.num_streams == 2
-        # the branches are alike: whichever runs on the side stream has its output moved
-        assert placed.plan.outputs_hoisted == (1 if hoist else 0)
-
-
-GOOGLENET_FWD = (Path(__file__).parent / "fixtures" / "wrappers" / "torch2.11.0-cuda" / "googlenet_bf16_cl_fwd"
-                 / "wrapper.py.gz")
-
-
-@pytest.fixture(scope="module")
-def googlenet_forward():
-    """GoogLeNet's bf16 forward as inductor wrote it on an H100 (torch 2.11), reuses split, with its launch DAG."""
-    from concur.inductor.wrapper_parse import source_namespace
-
-    source = gzip.open(GOOGLENET_FWD, "rt").read()
-    program = parse_wrapper(source, source_namespace(source), split_reuses=True)
-    return program, launch_dag(program, {}, 1.0)
-
-
-def test_a_real_forward_allocates_its_side_stream_outputs_before_the_first_launch(googlenet_forward):
-    from concur.dag import decide
-
-    program, dag = googlenet_forward
-    schedule = decide.schedule_graph(dag, 4, "critical_path", 2.0)
-    assert schedule.num_streams == 4
-    plain = plan_emission(program, schedule, dag)
-    plan = plan_emission(program, schedule, dag, hoist_outputs=True)  # _check_plan raises on a broken plan
-    first_launch = next(i for i, s in enumerate(plan.steps) if s.op == "stmt" and s.statement.is_launch)
-    assert all(s.op == "stmt" for s in plan.steps[:first_launch])  # nothing switched streams before it
-    before = {name for name, i in allocations(plan).items() if i < first_launch}
-    moved = before - {name for name, i in allocations(plain).items() if i < first_launch}
-    assert plain.outputs_hoisted == 0 and plan.outputs_hoisted == len(moved) > 0
-    plain_stream = streams_of(plain.steps)
-    deleted = {n for s in program.statements if s.kind == "del" for n in s.uses}
-    at_end = dict(plan.protect_at_end)
-    protected = {s.name for s in plan.steps if s.op == "protect"}
-    for name in moved:
-        assert plain_stream[allocations(plain)[name]] != 0, name  # it was made on a side stream
-        # now made on the caller's stream, the side streams are recorded on it: at the end, or where it is deleted
-        # (it outlives the call through a kept reuse's buffer in its memory)
-        assert at_end.get(name) if name not in deleted else name in protected, name
-    assert moved & deleted  # a storage escaping through a kept reuse moves too
-    assert plan.num_launches == plain.num_launches and plan.num_waits == plain.num_waits
+        # whichever branch the scheduler puts on the side stream has its buffers made on the caller's
+        assert (placed.plan.allocations_on_caller > 0) == on_caller

@@ -104,7 +104,7 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                   key_parts: tuple = (), first_call: FirstCallTiming | None = None,
                   on_decided: Callable[[PlacedKernels], None] | None = None,
                   weight_grad_split: Mapping[str, SplitCall] | None = None,
-                  hoist_outputs: bool = False) -> PlacedKernels:
+                  allocate_on_caller: bool = False) -> PlacedKernels:
     """Put the launches of an inductor-compiled graph on up to ``streams`` streams, in place.
 
     The graph keeps running inductor's own call when it has fewer than two
@@ -140,11 +140,10 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
     on streams has them split (:mod:`concur.inductor.wrapper_split`), while
     the one-stream program it is weighed against stays inductor's own.
 
-    With ``hoist_outputs``, each program allocates the buffers that outlive
-    the call and are first written on a side stream at its start, on the
-    caller's stream (:func:`~concur.inductor.wrapper_emit.hoisted_outputs`),
-    so the caller's frees of them (a forward's saved activations, in
-    backward) give their memory back to the caller's stream.
+    With ``allocate_on_caller``, each program makes the buffers a side
+    stream touches first on the caller's stream
+    (:func:`~concur.inductor.wrapper_emit.caller_allocations`), so that
+    their memory comes from, and goes back to, one stream's pool.
 
     Raises:
         ValueError: the wrapper cannot be read or the plan is invalid; ``compiled`` is then unchanged.
@@ -170,10 +169,10 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
             raise ValueError(f"invalid launch schedule (a concur bug, please report it): {problems[:3]}")
     candidates = [s for s in schedules if s.num_streams > 1]
     if not candidates:
-        plan = plan_emission(program, schedules[0], dag, hoist_outputs=hoist_outputs)
+        plan = plan_emission(program, schedules[0], dag, allocate_on_caller=allocate_on_caller)
         return PlacedKernels(plan, False, launches - added, "the schedule uses one stream",
                              serializing_barrier(program, dag, max(counts), scheduler, min_cost), as_written)
-    plans = [plan_emission(program, schedule, dag, hoist_outputs=hoist_outputs) for schedule in candidates]
+    plans = [plan_emission(program, schedule, dag, allocate_on_caller=allocate_on_caller) for schedule in candidates]
     built: dict[int, Callable] = {}
 
     def rewritten(i: int) -> Callable:  # built only where something is timed or installed

@@ -242,7 +242,7 @@ class ConcurBackend:
 
         try:
             placed = place_kernels(compiled, node_costs, roof, decide.stream_counts(o.streams), o.scheduler,
-                                   o.min_predicted_speedup, split_reuses=ordered, hoist_outputs=not is_backward,
+                                   o.min_predicted_speedup, split_reuses=ordered, allocate_on_caller=True,
                                    label=f"the {'backward' if is_backward else 'forward'} "
                                    f"graph of {num_ops} ops", on_decided=on_decided, weight_grad_split=splits,
                                    **self._measuring(example_inputs, is_backward))

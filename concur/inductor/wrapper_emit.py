@@ -13,13 +13,12 @@ streams of the launches in the generated ``call`` function:
    :mod:`concur.dag.decide`, as on every other path), which hands this
    module one schedule at a time to emit;
 3. host statements (allocations, aliases, shape checks) go right before the
-   first launch that touches their storage, on its stream (an allocation's
-   stream is where the caching allocator will reuse it), and each ``del`` right
-   after the last statement naming it; with ``hoist_outputs``, an allocation
-   whose storage outlives the call and is first touched on a side stream
-   goes at the start on the caller's stream instead (:func:`hoisted_outputs`),
-   so that when the caller frees it (a forward's saved activations, freed in
-   backward) its block serves the caller's stream again;
+   first launch that touches their storage, on its stream, and each ``del``
+   right after the last statement naming it; with ``allocate_on_caller``, an
+   allocation whose storage a side stream touches first is made on the
+   caller's stream instead, at the latest point every launch touching it is
+   ordered after (:func:`caller_allocations`), so that every buffer's memory
+   comes from and returns to the caller's stream, as with one stream;
 4. a storage used on a stream other than the one it was allocated on is
    protected with ``record_stream`` when its name dies, as in
    :mod:`concur.streams`;
@@ -57,7 +56,7 @@ from concur.dag.hazards import hazard_edges
 from concur.inductor.kernel_signatures import _ALLOCATORS, _COPYABLE_ALLOCATORS, _dotted
 from concur.inductor.wrapper_program import _ALIGNING_COPIES, KernelProgram, Reuse, Statement
 
-# allocators outside the caching allocator (symmetric memory): no stream owns their blocks, so nothing is hoisted
+# allocators outside the caching allocator (symmetric memory): no stream owns their blocks, so none is moved
 _UNCACHED_ALLOCATORS = _ALLOCATORS - _COPYABLE_ALLOCATORS
 
 
@@ -87,7 +86,7 @@ class KernelStreamPlan:
     predicted_speedup: float
     reuses_kept: int = 0    # inductor's reuse lines emitted as it wrote them (the new buffer in the old memory)
     reuses_fresh: int = 0   # reuse lines emitted as a fresh allocation, their buffers not ordered otherwise
-    outputs_hoisted: int = 0  # allocations moved to the start, on the caller's stream (hoisted_outputs)
+    allocations_on_caller: int = 0  # side-stream buffers allocated on the caller's stream (caller_allocations)
 
 
 def launch_dag(program: KernelProgram, node_costs: Mapping[str, tuple[float, dict]],
@@ -173,7 +172,7 @@ def _storages(program: KernelProgram, kept: frozenset[int]) -> dict[str, str]:
 
 
 def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx.DiGraph, *,
-                  hoist_outputs: bool = False) -> KernelStreamPlan:
+                  allocate_on_caller: bool = False) -> KernelStreamPlan:
     """Return the rewritten call as steps: launches in schedule order, host statements placed around them.
 
     A split reuse (:attr:`KernelProgram.reuses`) is kept where
@@ -183,9 +182,9 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     stream that touched any group living in it is recorded when a name of
     it dies.
 
-    With ``hoist_outputs``, the allocations :func:`hoisted_outputs` picks
-    go at the start, on the caller's stream, and are counted in
-    :attr:`KernelStreamPlan.outputs_hoisted`.
+    With ``allocate_on_caller``, the allocations :func:`caller_allocations`
+    picks are made on the caller's stream, and counted in
+    :attr:`KernelStreamPlan.allocations_on_caller`.
 
     Four phases: host statements are anchored to launches
     (:func:`_sequence`), each ``del`` goes after the last statement naming
@@ -202,8 +201,8 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     statements = sorted((fresh.get(s.index, s) if s.kind == "host" else s for s in program.statements),
                         key=lambda s: s.index)
     storage = _storages(program, kept)
-    hoisted = hoisted_outputs(schedule, statements, storage) if hoist_outputs else frozenset()
-    sequence = _sequence(program, schedule, statements, hoisted)
+    on_caller = caller_allocations(schedule, statements, storage) if allocate_on_caller else {}
+    sequence = _sequence(program, schedule, statements, on_caller)
     dels = [s for s in statements if s.kind == "del"]
     emitter = _Emitter(schedule, storage)
     steps = emitter.emit(sequence, _dels_after(sequence, dels))
@@ -213,49 +212,78 @@ def plan_emission(program: KernelProgram, schedule: schedulers.Schedule, dag: nx
     return KernelStreamPlan(tuple(steps), tuple(at_end), schedule.num_streams, len(emitter.events),
                             len(schedule.waits), len(program.launches),
                             sum(1 for s in program.launches if s.kind == "barrier"), prediction.ideal_speedup,
-                            prediction.speedup, program.reuse_lines - len(fresh), len(fresh), len(hoisted))
+                            prediction.speedup, program.reuse_lines - len(fresh), len(fresh), len(on_caller))
 
 
-def hoisted_outputs(schedule: schedulers.Schedule, statements: list[Statement],
-                    storage: Mapping[str, str]) -> frozenset[int]:
-    """Return the allocations (statement indices) to make at the start of the call, on the caller's stream.
+def caller_allocations(schedule: schedulers.Schedule, statements: list[Statement],
+                       storage: Mapping[str, str]) -> dict[int, int]:
+    """Return the allocations to make on the caller's stream: {statement index: where, as an issue position}.
 
-    An allocation qualifies when it uses no name the region binds (it could
-    already go first), its storage outlives the call (a name living in it,
-    directly, as a view or through a kept reuse of ``storage``, is never
-    deleted) and the first launch touching that storage, in ``schedule``'s
-    issue order, is on a side stream.
+    An allocation qualifies when the first launch touching its storage, in
+    ``schedule``'s issue order, is on a side stream, it uses no name the
+    region binds, and its allocator is the caching allocator. It goes right
+    after the caller's-stream launch at the position given (-1: at the
+    start, right after the fork), on the caller's stream: the latest launch
+    there that every side-stream launch touching the storage is ordered
+    after (:func:`caller_progress`).
 
     Why: the caching allocator gives a freed block back only to the stream
-    that allocated it, so an output allocated on a side stream (a forward's
-    activation saved for backward) serves no allocation of the caller's
-    stream once the caller frees it. Made on the caller's stream right
-    after the fork, it is safe: any block the caller's stream freed before
-    was last used by work queued before the fork, which every side stream
-    waits for, and the side streams that then use it are recorded on it
-    when the call ends (:meth:`_Emitter.protect_at_end`). Storage first
-    touched on the caller's stream stays where it is, where moving it
-    earlier would only make it live longer; so does symmetric memory, which
-    no stream owns.
+    that allocated it. Made on a side stream, a buffer's memory serves only
+    that stream once freed, and the blocks the caller's stream frees (a
+    forward's saved activations, freed one by one in backward) serve none of
+    the side streams' allocations: each stream's pool grows to its own peak.
+    Made on the caller's stream, every buffer comes from, and goes back to,
+    one pool, as with one stream. It is safe there: a block the caller's
+    stream hands out at that point was last used on it by work issued
+    before, which every launch touching the new buffer waits for; its
+    earlier users on other streams were recorded on it when it was freed
+    (``record_stream``), so the allocator holds it until the graph orders
+    them first. Storage first touched on the caller's stream stays where
+    it is, and so does symmetric memory, which no stream owns.
     """
     bound = {name for s in statements for name in s.binds}
-    deleted = {name for s in statements if s.kind == "del" for name in s.uses}
-    group_of: dict[str, str | None] = {}
-    for s in statements:
-        for name in s.binds:
-            group_of[name] = s.bind_group
-    escaping = {storage.get(g, g) for name, g in group_of.items() if g is not None and name not in deleted}
     launches = {s.index: s for s in statements if s.is_launch}
-    first_stream: dict[str, int] = {}
+    position = {v: i for i, v in enumerate(schedule.order)}
+    touching: dict[str, list[int]] = {}
     for v in schedule.order:
         s = launches[v]
         for g in s.groups | s.reads | s.writes:
-            first_stream.setdefault(storage.get(g, g), schedule.stream[v])
-    return frozenset(s.index for s in statements
-                     if s.kind == "host" and s.fresh and not (s.uses & bound)
-                     and any(storage.get(g, g) in escaping and first_stream.get(storage.get(g, g), 0) != 0
-                             for g in s.fresh)
-                     and not _calls(s, _UNCACHED_ALLOCATORS))
+            touching.setdefault(storage.get(g, g), []).append(v)
+    progress = caller_progress(schedule)
+    placed: dict[int, int] = {}
+    for s in statements:
+        if s.kind != "host" or not s.fresh or s.uses & bound or _calls(s, _UNCACHED_ALLOCATORS):
+            continue
+        users = [v for g in s.fresh for v in touching.get(storage.get(g, g), ())]
+        if not users or schedule.stream[min(users, key=position.__getitem__)] == 0:
+            continue
+        placed[s.index] = min(progress[v] for v in users if schedule.stream[v] != 0)
+    return placed
+
+
+def caller_progress(schedule: schedulers.Schedule) -> dict[Any, int]:
+    """Return {launch: the issue position of the last caller's-stream launch it is ordered after (-1: none)}.
+
+    Ordered after means: later on the same stream, or through the
+    schedule's events, transitively. A caller's-stream launch is ordered
+    after itself. -1 is the fork at the start, which every side stream
+    waits for.
+    """
+    position = {v: i for i, v in enumerate(schedule.order)}
+    waits: dict[Any, list[Any]] = {}
+    for w in schedule.waits:
+        waits.setdefault(w.consumer, []).append(w.producer)
+    progress: dict[Any, int] = {}
+    last_on: dict[int, Any] = {}
+    for v in schedule.order:
+        stream = schedule.stream[v]
+        if stream == 0:
+            progress[v] = position[v]
+        else:
+            before = [last_on[stream]] if stream in last_on else []
+            progress[v] = max((progress[u] for u in before + waits.get(v, [])), default=-1)
+        last_on[stream] = v
+    return progress
 
 
 def _calls(s: Statement, functions: frozenset[str] | set[str]) -> bool:
@@ -265,21 +293,24 @@ def _calls(s: Statement, functions: frozenset[str] | set[str]) -> bool:
 
 
 def _sequence(program: KernelProgram, schedule: schedulers.Schedule, statements: list[Statement],
-              hoisted: frozenset[int] = frozenset()) -> list[tuple[Statement, int]]:
+              on_caller: Mapping[int, int] | None = None) -> list[tuple[Statement, int]]:
     """Return every statement but the ``del``s in issue order, with the stream it runs on.
 
     A host statement goes right before the first launch (in issue order)
     that touches its storage and comes after whatever binds the names it
     uses; one that touches no storage and uses no launch's result goes at
     the start, one no later launch touches at the end, both on the caller's
-    stream. The host statements in ``hoisted`` (:func:`hoisted_outputs`) go
-    at the start as well.
+    stream. The host statements in ``on_caller`` (:func:`caller_allocations`)
+    go on the caller's stream right after the launch at the issue position
+    given (-1: at the start).
     """
+    on_caller = on_caller or {}
     in_order = program.launches  # a property that filters every statement: read once, not per host statement
     launches = {s.index: s for s in in_order}
     position = {v: i for i, v in enumerate(schedule.order)}
     end = len(schedule.order)
     anchor: dict[int, int] = {}  # host statement -> position of the launch it goes before (-1: start, end: after all)
+    after: dict[int, list[Statement]] = {}  # position -> allocations right after its launch, on the caller's stream
     binder_position: dict[str, int] = {}  # name -> issue position after which it is bound
     for s in statements:
         if s.is_launch:
@@ -288,7 +319,12 @@ def _sequence(program: KernelProgram, schedule: schedulers.Schedule, statements:
             continue
         if s.kind != "host":
             continue
-        if s.index in hoisted or (not s.groups and not (s.uses & set(binder_position))):
+        if on_caller.get(s.index, -1) >= 0:
+            after.setdefault(on_caller[s.index], []).append(s)
+            for name in s.binds:
+                binder_position[name] = on_caller[s.index] + 1
+            continue
+        if s.index in on_caller or (not s.groups and not (s.uses & set(binder_position))):
             anchor[s.index] = -1
             for name in s.binds:
                 binder_position[name] = 0
@@ -309,6 +345,7 @@ def _sequence(program: KernelProgram, schedule: schedulers.Schedule, statements:
         stream = schedule.stream[v]
         sequence += [(s, stream) for s in hosts_at.get(position[v], [])]
         sequence.append((launches[v], stream))
+        sequence += [(s, 0) for s in after.get(position[v], [])]
     sequence += [(s, 0) for s in hosts_at.get(end, [])]
     return sequence
 
