@@ -25,7 +25,8 @@ def test_each_timing_captures_in_a_pool_of_its_own_given_back_when_it_ends(monke
     assert len({t1, t2, t3, c1}) == 4  # every timing has its own, none is the step's
     assert c2 == c1  # the step's graphs share theirs
     # after each timing its graphs are gone and the cache emptied: only the step's graphs stay alive
-    emptied = [alive for what, alive in cuda.log if what == "empty_cache"]
+    emptied = [alive for (what, alive), (then, _) in zip(cuda.log, cuda.log[1:] + [("end", None)])
+               if what == "empty_cache" and then != "capture"]  # those before a capture: the test below
     assert emptied[:2] == [0, 0] and emptied[3] == 1, cuda.log
     assert cuda.alive() == 2 and step_graph is not second_graph
 
@@ -48,3 +49,15 @@ def test_a_pool_left_for_a_new_one_is_given_back_once_before_the_next_capture(mo
     runner.capture(lambda: "out", step=None)
     first, second = [pool for what, pool in cuda.log if what == "capture"]
     assert first != second
+
+
+def test_every_capture_begins_with_the_cache_given_back(monkeypatch):
+    """What the warm-up cached outside the pool counts against the process's memory, and a capture that runs out
+    cannot free it (the allocator's cudaFree would invalidate the capture): each capture empties the cache first,
+    the timings' two programs and the step's alike."""
+    cuda = fake_cuda(monkeypatch)
+    runner = graph_runner.CudaGraphRunner(priority=False)
+    runner.time_programs(lambda: None, lambda: None, torch.device("cuda"))
+    runner.capture(lambda: "out", step=None)
+    before = [cuda.log[i - 1] if i else None for i, (what, _) in enumerate(cuda.log) if what == "capture"]
+    assert len(before) == 3 and all(b is not None and b[0] == "empty_cache" for b in before), cuda.log

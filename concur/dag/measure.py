@@ -235,6 +235,10 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     """
     settle_failed_captures()
     gc.collect()
+    # Blocks cached outside the pool (the warm-up's activations, on every stream it ran) count against the
+    # process's memory as long as they are cached, and a capture cannot give them back once it runs out: the
+    # allocator's cudaFree would invalidate it. Given back now, the capture has their room.
+    torch.cuda.empty_cache()
     collecting = gc.isenabled()
     gc.disable()
     try:
