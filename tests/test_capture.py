@@ -243,7 +243,7 @@ class PlanSwitch:
         self.on = on
 
 
-def compiled_run(monkeypatch, runner, batches, backward_plans=True, streams=2):
+def compiled_run(monkeypatch, runner, batches, backward_plans=True):
     """A ``compile=True`` step on CPU: torch.compile stands aside (the model runs as it is) and the backend is a
     real ConcurBackend holding a forward and a backward graph, each with a multi-stream program installed."""
     from concur.inductor.placement import InstalledPlan
@@ -266,7 +266,7 @@ def compiled_run(monkeypatch, runner, batches, backward_plans=True, streams=2):
     monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
     model, ref = make_model(), make_model()
     opt, ref_opt = SGD_M(model), SGD_M(ref)
-    step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams, compile=True)
+    step = concur.train_step(model, loss_fn, opt, batches[0], streams=2, compile=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = [step(x, y).item() for x, y in batches]
@@ -341,40 +341,3 @@ def test_narrowing_plans_for_memory_switches_off_the_backward_graphs_and_those_c
     later_fwd, later_bwd = install(False), install(True)
     assert running[later_fwd] and not running[later_bwd] and backend.graphs[later_bwd].decided_by == "memory"
     assert not backend.narrow_plans("again"), "nothing more to switch off"
-
-
-def test_the_stream_ladder_halves_to_two_streams_then_one():
-    from concur.training.capture import stream_ladder
-
-    assert stream_ladder(4) == [4, 2, 1] and stream_ladder(3) == [3, 2, 1] and stream_ladder(8) == [8, 2, 1]
-    assert stream_ladder(2) == [2, 1] and stream_ladder(1) == [1] and stream_ladder("auto") == ["auto", 2, 1]
-
-
-def test_a_compiled_step_on_four_streams_out_of_memory_runs_every_graph_on_two(monkeypatch):
-    """Two streams hold less than four (each side stream's pool grows to its own peak): the step keeps every
-    graph's streams on two before it switches any graph's off, and one warning says so."""
-    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
-    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4)
-    assert made == [4, 2] and step.failed_streams == {4} and 4 not in step.backends
-    assert switches[False].on and switches[True].on, "no graph's streams switched off on two streams"
-    (warning,) = said
-    assert "the step on 4 streams does not fit in memory" in warning and "running it on 2 streams" in warning
-    assert step.status.captured and step.status.streams == 2 and (step.status.captures, step.status.failures) == (1, 1)
-
-
-def test_a_compiled_step_on_two_streams_still_out_of_memory_then_switches_its_backward_graphs_off(monkeypatch):
-    runner = FailingGraphs([torch.OutOfMemoryError(OOM)] * 2)
-    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4)
-    assert made == [4, 2] and switches[False].on and not switches[True].on
-    (warning,) = said
-    assert "the step on 4 streams does not fit" in warning and "every graph on 2 streams does not fit" in warning
-    assert "backward graphs run on 1 stream" in warning and "running it on 2 streams instead" in warning
-    assert step.status.streams == 2 and (step.status.captures, step.status.failures) == (1, 2)
-
-
-def test_an_unfused_step_on_four_streams_out_of_memory_runs_on_two(monkeypatch):
-    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
-    step, said = run(monkeypatch, runner, make_batches(4), streams=4)
-    assert step.failed_streams == {4} and step.status.streams == 2 and 4 not in step.modules
-    (warning,) = said
-    assert "the step on 4 streams does not fit in memory" in warning and "running it on 2 streams" in warning

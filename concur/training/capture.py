@@ -89,22 +89,6 @@ def graph_limit(step: CapturingStep) -> int:
 CAPTURE_TRIES = 2  # captures of one stream count, where the first fails for another reason than memory
 
 
-def stream_ladder(requested: int | str) -> list[int | str]:
-    """The stream counts a step tries, in order, while each runs out of memory: those asked for, 2 where that is
-    fewer (or ``"auto"`` was asked for), then 1.
-
-    Halving keeps the streams where memory allows: each side stream's pool
-    grows to that stream's own peak, so two streams hold less than four,
-    and on a fused GoogLeNet b64 limited to 1.05x the recipe's memory, two
-    streams fit where four did not.
-    """
-    return list(dict.fromkeys([requested, *(s for s in (2, 1) if requested == "auto" or s < requested)]))
-
-
-def _stream_count(streams: int | str) -> str:
-    return f"{streams} stream{'s' if streams != 1 else ''}"
-
-
 def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key: tuple,
                           phase: tuple[bool, bool]) -> Captured | None:
     """Return the graph of ``step`` for ``key``, kept in its graphs; None where every stream count failed, and
@@ -112,29 +96,21 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
 
     A capture that fails for another reason than memory (a graph freed by
     another thread mid-capture, say) is tried once more, in a new pool, after
-    what it held is given back. One that runs out of memory is not: the
-    step goes down :func:`stream_ladder` (its module on fewer streams, for
-    this and later input shapes), and on the last rung before one stream a
+    what it held is given back. One that runs out of memory is not: a
     compiled step first switches its backward graphs' multi-stream programs
-    off and captures once more (:func:`_capture_on`). One warning says how
-    much memory was missing and what runs. Eager execution is the last
-    resort, with a warning that says why and how to capture again.
+    off and captures once more (:func:`_capture_on`); where that does not
+    fit either, or the step is unfused, it drops to one stream, for this and
+    later input shapes, with one warning that says how much memory was
+    missing. Eager execution is the last resort, with a
+    warning that says why and how to capture again.
     """
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
     log = step.capture_log
-    attempts = [s for s in stream_ladder(step.requested_streams) if s not in step.failed_streams]
-    why, dropped = "", []
-    for i, streams in enumerate(attempts):
-        last_on_streams = streams != 1 and attempts[i + 1:i + 2] in ([1], [])
-        captured, why, memory, attempt, narrowed = _capture_on(step, inputs, targets, key, streams, phase,
-                                                               may_narrow=last_on_streams)
+    attempts = [s for s in dict.fromkeys([step.requested_streams, 1]) if s not in step.failed_streams]
+    why = ""
+    for streams in attempts:
+        captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
-            if narrowed:
-                dropped.append(narrowed)
-            if dropped:
-                instead = f"; running it on {_stream_count(streams)} instead" if i else ""
-                step._warn_once(f"concur.train_step: {'; '.join(dropped)}{instead}, for this and later input "
-                                "shapes.")
             _keep(step, key, captured)
             return captured
         if streams == 1:
@@ -146,12 +122,13 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         step._runner.failed()
         if not step.graphs:  # the side streams' cuBLAS workspaces, where no graph replays into them
             compat.clear_cublas_workspaces()
-        fallback = (f"the step on {_stream_count(streams)} does not fit in memory ({why})" if memory else
-                    f"capturing the step on {_stream_count(streams)} failed {attempt} times ({why})")
+        fallback = (f"the step on {streams} streams does not fit in memory ({why})" if memory else
+                    f"capturing the step on {streams} streams failed {attempt} times ({why})")
         log.fallbacks.append(fallback)
-        dropped.append(fallback)
+        step._warn_once(f"concur.train_step: {fallback}; running it on 1 stream instead, for this and later "
+                        "input shapes.")
     log.fallbacks.append(f"capturing the step on 1 stream failed ({why})")
-    step._warn_once(f"concur.train_step: {'; '.join(dropped + [log.fallbacks[-1]])}; this input shape runs "
+    step._warn_once(f"concur.train_step: capturing the step on 1 stream failed ({why}); this input shape runs "
                     "eagerly, every kernel launched from Python (slower). Once the cause is gone (memory freed, "
                     "a smaller batch), step.recapture() captures again at the next call.")
     step.eager_keys.add(key)
@@ -159,15 +136,15 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
 
 
 def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,
-                phase: tuple[bool, bool], may_narrow: bool = True) -> tuple[Captured | None, str, bool, int, str]:
+                phase: tuple[bool, bool]) -> tuple[Captured | None, str, bool, int]:
     """Capture ``key``'s graph with the module on ``streams``; return (the graph or None, why the last attempt
-    failed, whether it ran out of memory, attempts made, what narrowing said: "" where none).
+    failed, whether it ran out of memory, attempts made).
 
     A failure for another reason than memory is tried again, up to
-    :data:`CAPTURE_TRIES` attempts. Out of memory, with ``may_narrow``, a
-    compiled step whose forward and backward graphs both run on streams
-    switches its backward graphs' programs off and tries once more
-    (:func:`_narrow`).
+    :data:`CAPTURE_TRIES` attempts. Out of memory, a compiled step whose
+    forward and backward graphs both run on streams switches its backward
+    graphs' programs off and tries once more (:func:`_narrow`); the warning
+    that says so comes where that capture succeeds.
     """
     log = step.capture_log
     why, memory, attempt, narrowed = "", False, 0, ""
@@ -182,35 +159,35 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
         # outside the except block: its traceback no longer holds the failed attempt's tensors
         if captured is not None:
             log.recovered += attempt > 1 and not narrowed
-            return captured, why, memory, attempt, narrowed
+            if narrowed:
+                step._warn_once(f"concur.train_step: the step with every graph on streams does not fit in memory "
+                                f"({narrowed}); its backward graphs run on 1 stream, its forward graphs keep "
+                                "theirs, for this and later input shapes.")
+            return captured, why, memory, attempt
         log.failures += 1
         step._trial = None
         step._runner.failed()
         if not memory:
             continue
-        if narrowed or not may_narrow:
+        if narrowed or not _narrow(step, streams, why):
             break
-        narrowed = _narrow(step, streams, why)
-        if not narrowed:
-            break
-        attempt = 0  # the same module, its backward graphs on one stream: attempts of its own
-    return None, why, memory, attempt, ""
+        narrowed, attempt = why, 0  # the same module, its backward graphs on one stream: attempts of its own
+    return None, why, memory, attempt
 
 
-def _narrow(step: CapturingStep, streams: int | str, why: str) -> str:
+def _narrow(step: CapturingStep, streams: int | str, why: str) -> bool:
     """Where the compiled step on ``streams`` ran out of memory, switch its backward graphs' multi-stream
-    programs off (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return what
-    it did, "" where it did nothing (an unfused step, which drops to its one-stream module, and where no
-    forward graph would keep streams)."""
+    programs off (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return whether
+    it did (False for an unfused step, which drops to its one-stream module, and where no forward graph would
+    keep streams)."""
     backend = step.backends.get(streams) if step.compile else None
     if backend is None or not backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})"):
-        return ""
+        return False
     if not step.graphs:  # the backward's side streams' cuBLAS workspaces, where no graph replays into them
         compat.clear_cublas_workspaces()
-    narrowed = (f"the step with every graph on {_stream_count(streams)} does not fit in memory ({why}); its "
-                "backward graphs run on 1 stream, its forward graphs keep theirs")
-    step.capture_log.fallbacks.append(narrowed)
-    return narrowed
+    step.capture_log.fallbacks.append(f"the step with every graph on streams does not fit in memory ({why}); its "
+                                      "backward graphs run on 1 stream, its forward graphs keep theirs")
+    return True
 
 
 def _keep(step: CapturingStep, key: tuple, captured: Captured) -> None:
