@@ -41,7 +41,11 @@ reset), i.e. what the step holds plus what a step adds. The ms per step come
 from CUDA events over ``--timed-steps`` further steps. With ``--jobs N`` up to
 N configurations run side by side, the runs of each one after another; limits
 and peaks stay per process, but the processes share the GPU, so the times of
-such a run are not speed figures: time with ``--jobs 1``. The processes'
+such a run are not speed figures: time with ``--jobs 1``. ``--kernels N``
+profiles a few steps more and records each side's N CUDA kernels that take
+the most time per step: where two sides of one configuration differ in
+speed, which kernels differ (a convolution whose algorithm was chosen while
+memory was short, say). The processes'
 limits together may exceed the GPU's memory with several jobs at large
 batches; a run the driver cannot serve then fails although it fits its limit.
 """
@@ -64,7 +68,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -79,6 +83,7 @@ RECIPE_OF_PATH = {"fused": "compile_graph", "unfused": "eager_graph"}
 ROW_MARK = "MEMORY_ROW "  # the child's row among whatever else torch prints to stdout
 MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past this it is measured as it stands
 CHILD_TIMEOUT_S = 3600.0
+PROFILED_STEPS = 5  # steps profiled for --kernels, after the timed ones
 MB = 2**20
 FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
                       re.IGNORECASE)
@@ -162,6 +167,29 @@ def _ms_per_step(fn: Callable[[], Any], steps: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / steps
+
+
+def top_kernels(averages: Iterable[Any], steps: int, n: int) -> list[dict]:
+    """The ``n`` kernels of ``torch.profiler``'s ``key_averages()`` that took the most device time, per step of
+    ``steps``: name (cut to 160 characters), microseconds and calls."""
+    timed = [(e.key, getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0), e.count)
+             for e in averages]
+    timed = [t for t in timed if t[1] > 0]
+    timed.sort(key=lambda t: -t[1])
+    return [dict(kernel=name[:160], us_per_step=round(us / steps, 2), calls_per_step=round(count / steps, 2))
+            for name, us, count in timed[:n]]
+
+
+def _profile_kernels(fn: Callable[[], Any], steps: int, n: int) -> list[dict]:
+    """Run ``fn`` ``steps`` times under the profiler (CUDA activity only); return :func:`top_kernels`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return top_kernels(prof.key_averages(), steps, n)
 
 
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
@@ -260,6 +288,8 @@ def _train(payload: dict, row: dict) -> None:
     if payload["who"] == "concur":
         row.update(_streams_kept(step))
     row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
+    if payload.get("kernels"):
+        row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
 
 
 def base_row(payload: dict) -> dict:
@@ -348,7 +378,7 @@ def _failed_row(payload: dict, error_type: str, error: str, stderr: str) -> dict
 def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: float | None) -> dict:
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
-                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps)
+                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels)
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -455,6 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=float, default=1.05, help="each side's limit, times the recipe's peak reserved")
     ap.add_argument("--steps", type=int, default=10, help="steps after setup, for the peaks")
     ap.add_argument("--timed-steps", type=int, default=20, help="steps timed with CUDA events, after those")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="record each side's N most time-consuming CUDA kernels (profiled steps after the timed ones)")
     ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
     ap.add_argument("--without-streams1", action="store_true",
                     help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")

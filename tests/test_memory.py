@@ -383,3 +383,34 @@ def test_the_breakdown_keeps_pools_and_streams_apart(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     assert memory.breakdown() == {"default stream0": [2.0, 1.0], "pool0.4 stream1": [16.0, 4.0],
                                   "pool0.4 stream2": [3.0, 3.0]}
+
+
+def test_kernels_profile_each_side_after_its_timed_steps_and_keep_the_slowest(cpu_child):
+    """``--kernels N``: the row names the N kernels that took the most device time per step; off by default."""
+    profiled = []
+
+    def profile(fn, steps, n):
+        profiled.append((steps, n))
+        fn()
+        return [dict(kernel="k", us_per_step=1.0, calls_per_step=1.0)]
+
+    cpu_child.setattr(memory, "_profile_kernels", profile)
+    assert "top_kernels" not in memory.child(_payload("recipe", "recipe", None)) and not profiled
+    row = memory.child({**_payload("recipe", "recipe", None), "kernels": 3})
+    assert profiled == [(memory.PROFILED_STEPS, 3)] and row["top_kernels"][0]["kernel"] == "k"
+    assert memory.parse_args(["--out", "x", "--kernels", "4"]).kernels == 4
+    assert memory.parse_args(["--out", "x"]).kernels == 0
+
+
+def test_top_kernels_are_the_n_longest_per_step_and_skip_host_only_events():
+    from types import SimpleNamespace as E
+
+    averages = [E(key="aten::conv", device_time_total=0.0, count=10),  # host-side: no device time of its own
+                E(key="cudnn_sm90_conv_fprop", device_time_total=900.0, count=30),
+                E(key="triton_poi_fused_relu", device_time_total=300.0, count=60),
+                E(key="Memcpy HtoD", device_time_total=30.0, count=3)]
+    top = memory.top_kernels(averages, steps=3, n=2)
+    assert top == [dict(kernel="cudnn_sm90_conv_fprop", us_per_step=300.0, calls_per_step=10.0),
+                   dict(kernel="triton_poi_fused_relu", us_per_step=100.0, calls_per_step=20.0)]
+    older = [E(key="k", cuda_time_total=6.0, count=3)]  # torch that names it cuda_time_total
+    assert memory.top_kernels(older, steps=3, n=5) == [dict(kernel="k", us_per_step=2.0, calls_per_step=1.0)]
