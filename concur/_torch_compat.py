@@ -206,6 +206,29 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
         setter(f"{_RECORD_STREAM_REUSE}:False")
 
 
+def captures_reuse_cross_stream_blocks() -> bool:
+    """Whether captures inside :func:`capture_reuses_cross_stream_blocks` reuse a dead block other streams used.
+
+    True where that function switches the option on, or the user's allocator
+    configuration does (``graph_capture_record_stream_reuse:True``); False
+    where the configuration turns it off, under another allocator backend,
+    or on a torch without the option. Without it, every buffer a side stream
+    used and the caller's stream allocated stays held to the end of a
+    capture, so a plan that allocates on the caller's stream would hold more.
+    """
+    conf = ",".join(os.environ.get(var, "") for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    if _RECORD_STREAM_REUSE in conf:
+        return f"{_RECORD_STREAM_REUSE}:true" in conf.replace(" ", "").lower()
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
+    if setter is None or torch_version() < (2, 9):
+        return False
+    try:
+        return torch.cuda.get_allocator_backend() == "native"
+    except (RuntimeError, AssertionError):  # no CUDA here: nothing is captured
+        return False
+
+
 def finish_failed_capture(device: int, pool: object) -> bool:
     """Undo what a failed CUDA-graph capture left in ``pool``; return whether it had left anything.
 

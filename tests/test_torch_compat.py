@@ -345,6 +345,31 @@ def test_cross_stream_reuse_leaves_the_users_setting_and_unknown_allocators_alon
         pass
 
 
+def test_whether_captures_reuse_cross_stream_blocks_follows_the_users_setting_the_backend_and_torch(monkeypatch):
+    _fake_allocator(monkeypatch)
+    assert compat.captures_reuse_cross_stream_blocks()  # concur switches it on for its captures
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,graph_capture_record_stream_reuse:False")
+    assert not compat.captures_reuse_cross_stream_blocks()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "graph_capture_record_stream_reuse: True")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert compat.captures_reuse_cross_stream_blocks()
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert not compat.captures_reuse_cross_stream_blocks()
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(compat, "torch_version", lambda: (2, 8))
+    assert not compat.captures_reuse_cross_stream_blocks()
+
+
+def test_rewritten_calls_allocate_on_the_callers_stream_only_where_captures_reuse_cross_stream_blocks(monkeypatch):
+    from concur.inductor.stream_backend import allocates_on_caller
+
+    monkeypatch.setattr(compat, "captures_reuse_cross_stream_blocks", lambda: False)
+    assert not allocates_on_caller(torch.device("cuda", 0)) and allocates_on_caller(torch.device("cpu"))
+    monkeypatch.setattr(compat, "captures_reuse_cross_stream_blocks", lambda: True)
+    assert allocates_on_caller(torch.device("cuda", 0))
+
+
 # --- private seams that must fail closed: inductor's pass hash, its post-grad setting and stream names ---
 
 

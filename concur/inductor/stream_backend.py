@@ -242,7 +242,8 @@ class ConcurBackend:
 
         try:
             placed = place_kernels(compiled, node_costs, roof, decide.stream_counts(o.streams), o.scheduler,
-                                   o.min_predicted_speedup, split_reuses=ordered, allocate_on_caller=True,
+                                   o.min_predicted_speedup, split_reuses=ordered,
+                                   allocate_on_caller=allocates_on_caller(_device_of(example_inputs)),
                                    label=f"the {'backward' if is_backward else 'forward'} "
                                    f"graph of {num_ops} ops", on_decided=on_decided, weight_grad_split=splits,
                                    **self._measuring(example_inputs, is_backward))
@@ -386,6 +387,18 @@ class ConcurBackend:
             (r.reason if r else "inductor's FX graph cache had the stamped graph (streams not counted)"),
             convolutions_split=split))
         return done.compiled
+
+
+def allocates_on_caller(device: torch.device) -> bool:
+    """Whether the rewritten calls on ``device`` make every buffer a side stream uses first on the caller's stream
+    (:func:`concur.inductor.wrapper_emit.caller_allocations`).
+
+    On CUDA only where captures reuse a dead block other streams used
+    (:func:`compat.captures_reuse_cross_stream_blocks`): without that, each
+    such buffer would stay held to the end of the step's capture. Elsewhere
+    (a CPU, where nothing is captured) the plan is the one a GPU gets.
+    """
+    return device.type != "cuda" or compat.captures_reuse_cross_stream_blocks()
 
 
 def _decided(placed: PlacedKernels) -> dict[str, Any]:
