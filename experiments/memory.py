@@ -41,7 +41,9 @@ reset), i.e. what the step holds plus what a step adds. The ms per step come
 from CUDA events over ``--timed-steps`` further steps. With ``--jobs N`` up to
 N configurations run side by side, the runs of each one after another; limits
 and peaks stay per process, but the processes share the GPU, so the times of
-such a run are not speed figures: time with ``--jobs 1``. ``--kernels N``
+such a run are not speed figures: time with ``--jobs 1``. A concur row also
+has what the step held by pool and stream at each failed setup attempt
+(``held_at_failures``). ``--kernels N``
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
@@ -192,6 +194,23 @@ def _profile_kernels(fn: Callable[[], Any], steps: int, n: int) -> list[dict]:
     return top_kernels(prof.key_averages(), steps, n)
 
 
+def _record_failures(row: dict) -> None:
+    """Make each failed setup attempt of the concur step (trial, warm-up, capture) add :func:`breakdown` to
+    ``row["held_at_failures"]`` before it gives its memory back: what the step held, by pool and stream, when it
+    did not fit. The step's internals: this tool measures them, in a process of its own."""
+    if not torch.cuda.is_available():  # no graphs, no runner: nothing to record
+        return
+    from concur.training import graph_runner
+
+    give_back = graph_runner.CudaGraphRunner.failed
+
+    def failed(self: Any) -> None:
+        row.setdefault("held_at_failures", []).append(breakdown())
+        give_back(self)
+
+    graph_runner.CudaGraphRunner.failed = failed  # type: ignore[method-assign]
+
+
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
                  streams: int | str | None) -> Any:
     import concur  # here only: the recipe's processes must not load it
@@ -262,6 +281,7 @@ def _train(payload: dict, row: dict) -> None:
         recipe = peers.RECIPES[RECIPE_OF_PATH[payload["path"]]]
         step = recipe(model, loss_fn, optimizer, batch, amp_dtype=torch.bfloat16)
     else:
+        _record_failures(row)
         step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"])
     step(*batch)
     calls = 1

@@ -414,3 +414,19 @@ def test_top_kernels_are_the_n_longest_per_step_and_skip_host_only_events():
                    dict(kernel="triton_poi_fused_relu", us_per_step=100.0, calls_per_step=20.0)]
     older = [E(key="k", cuda_time_total=6.0, count=3)]  # torch that names it cuda_time_total
     assert memory.top_kernels(older, steps=3, n=5) == [dict(kernel="k", us_per_step=2.0, calls_per_step=1.0)]
+
+
+def test_a_concur_row_has_what_the_step_held_at_each_failed_attempt(monkeypatch):
+    """Each failed setup attempt records the allocator's breakdown before its memory is given back."""
+    from concur.training import graph_runner
+
+    given_back = []
+    monkeypatch.setattr(graph_runner.CudaGraphRunner, "failed", lambda self: given_back.append(self))
+    monkeypatch.setattr(memory, "breakdown", lambda: {"pool0.1 stream0": [10.0, 2.0]})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    row: dict = {}
+    memory._record_failures(row)
+    runner = object.__new__(graph_runner.CudaGraphRunner)
+    graph_runner.CudaGraphRunner.failed(runner)
+    graph_runner.CudaGraphRunner.failed(runner)
+    assert row["held_at_failures"] == [{"pool0.1 stream0": [10.0, 2.0]}] * 2 and given_back == [runner, runner]
