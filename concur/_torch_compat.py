@@ -170,9 +170,27 @@ def inductor_buffer_reuse(enabled: bool) -> Iterator[None]:
 _RECORD_STREAM_REUSE = "graph_capture_record_stream_reuse"
 
 
+def _alloc_conf() -> str:
+    """The user's allocator configuration: both environment variables, joined."""
+    return ",".join(os.environ.get(var, "") for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+
+
 def _alloc_conf_names(key: str) -> bool:
     """Whether the user's allocator configuration (either environment variable) sets ``key``."""
-    return any(key in os.environ.get(var, "") for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    return key in _alloc_conf()
+
+
+def _record_stream_reuse_setter() -> Callable[[str], None] | None:
+    """The allocator's settings setter, where this torch and its allocator backend know the option; else None."""
+    # torch >= 2.10 names the setter per accelerator, and warns on the older CUDA name
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
+    if setter is None or torch_version() < (2, 9):
+        return None
+    try:
+        return setter if torch.cuda.get_allocator_backend() == "native" else None
+    except (RuntimeError, AssertionError):  # no CUDA here: nothing is captured
+        return None
 
 
 @contextlib.contextmanager
@@ -188,11 +206,8 @@ def capture_reuses_cross_stream_blocks() -> Iterator[None]:
     alone where the user's allocator configuration names it, under another
     allocator backend, or where this torch does not know it (nothing changes).
     """
-    # torch >= 2.10 names the setter per accelerator, and warns on the older CUDA name
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
-    if setter is None or torch_version() < (2, 9) or _alloc_conf_names(_RECORD_STREAM_REUSE) \
-            or torch.cuda.get_allocator_backend() != "native":
+    setter = _record_stream_reuse_setter()
+    if setter is None or _alloc_conf_names(_RECORD_STREAM_REUSE):
         yield
         return
     try:
@@ -216,17 +231,10 @@ def captures_reuse_cross_stream_blocks() -> bool:
     used and the caller's stream allocated stays held to the end of a
     capture, so a plan that allocates on the caller's stream would hold more.
     """
-    conf = ",".join(os.environ.get(var, "") for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    conf = _alloc_conf()
     if _RECORD_STREAM_REUSE in conf:
         return f"{_RECORD_STREAM_REUSE}:true" in conf.replace(" ", "").lower()
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
-    if setter is None or torch_version() < (2, 9):
-        return False
-    try:
-        return torch.cuda.get_allocator_backend() == "native"
-    except (RuntimeError, AssertionError):  # no CUDA here: nothing is captured
-        return False
+    return _record_stream_reuse_setter() is not None
 
 
 def finish_failed_capture(device: int, pool: object) -> bool:
