@@ -159,6 +159,44 @@ def test_every_graph_allocates_its_side_stream_buffers_on_the_callers_stream(mon
     assert sorted(set(asked)) == [(False, True), (True, True)]
 
 
+def test_a_backward_narrowed_for_memory_runs_on_two_streams_and_computes_the_same():
+    """ConcurBackend.narrow_plans re-places a backward graph on more than 2 streams onto 2, from the wrapper it
+    read (nothing recompiles), and what runs then, and after a switch off and on, equals the unmodified model."""
+    torch.manual_seed(0)
+    model = WideNet(branches=4, channels=4)
+    reference = copy.deepcopy(model)
+    backend = concur.backend(streams=4, roofline=NO_MERGE)
+    compiled = torch.compile(model, backend=backend)
+
+    def same_step(seed):
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        actual, expected = compiled(x), reference(x)
+        weighted_sum(actual).backward()
+        weighted_sum(expected).backward()
+        assert_close_rel(actual, expected, 1e-5, "output")
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert_close_rel(p.grad, ref_params[name].grad, 1e-4, name)
+
+    same_step(0)
+    fw, bw = forward_and_backward(backend.graphs)
+    assert bw.num_streams > 2, bw
+    assert backend.narrow_plans("out of memory") == 2
+    fw_after, bw_after = forward_and_backward(backend.graphs)
+    assert fw_after == fw and bw_after.num_streams == 2 and bw_after.decided_by == "memory", bw_after
+    assert bw_after.num_waits > 0 and bw_after.fallback_reason is None
+    same_step(1)
+    for _, plan in backend.running_plans():
+        plan.use_streams(False)
+        plan.use_streams(True)
+    same_step(2)
+    assert backend.narrow_plans("out of memory") == 1
+    assert forward_and_backward(backend.graphs)[1].num_streams == 1
+    same_step(3)
+
+
 @pytest.mark.parametrize("scheduler", ["critical_path", "fork"])
 def test_wide_net(scheduler):
     torch.manual_seed(0)

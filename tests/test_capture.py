@@ -243,9 +243,25 @@ class PlanSwitch:
         self.on = on
 
 
-def compiled_run(monkeypatch, runner, batches, backward_plans=True):
+class FewerStreams:
+    """An installed program's re-placement on fewer streams (``InstalledPlan.fewer_streams``): the stream counts
+    asked for, and the plan it returns (None: the schedule on fewer streams is not worth running)."""
+
+    def __init__(self, worth=True):
+        self.asked, self.worth = [], worth
+
+    def __call__(self, k):
+        from concur.inductor.wrapper_emit import KernelStreamPlan
+
+        self.asked.append(k)
+        return KernelStreamPlan((), (), num_streams=k, num_events=1, num_waits=1, num_launches=12, num_barriers=0,
+                                ideal_speedup=1.5, predicted_speedup=1.2) if self.worth else None
+
+
+def compiled_run(monkeypatch, runner, batches, backward_plans=True, streams=2, fewer=None):
     """A ``compile=True`` step on CPU: torch.compile stands aside (the model runs as it is) and the backend is a
-    real ConcurBackend holding a forward and a backward graph, each with a multi-stream program installed."""
+    real ConcurBackend holding a forward and a backward graph, each with a multi-stream program installed (the
+    backward's re-placed on fewer streams by ``fewer``, where given)."""
     from concur.inductor.placement import InstalledPlan
     from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
 
@@ -257,7 +273,7 @@ def compiled_run(monkeypatch, runner, batches, backward_plans=True):
         kinds = () if streams == 1 else (False, True) if backward_plans else (False,)  # streams=1: inductor's
         for record, is_backward in enumerate(kinds):
             backend.graphs.append(CompiledGraphInfo(is_backward, 12, 12, streams, 3, None))
-            backend._install(record, InstalledPlan(None, None, switches[is_backward]))
+            backend._install(record, InstalledPlan(None, None, switches[is_backward], fewer if is_backward else None))
         made.append(streams)
         return backend
 
@@ -266,13 +282,50 @@ def compiled_run(monkeypatch, runner, batches, backward_plans=True):
     monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
     model, ref = make_model(), make_model()
     opt, ref_opt = SGD_M(model), SGD_M(ref)
-    step = concur.train_step(model, loss_fn, opt, batches[0], streams=2, compile=True)
+    step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams, compile=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = [step(x, y).item() for x, y in batches]
     assert_same_run(losses, plain_loop(ref, ref_opt, batches), model, ref)
     said = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
     return step, said, switches, made
+
+
+def test_a_compiled_step_on_more_than_two_streams_out_of_memory_puts_its_backward_on_two_first(monkeypatch):
+    """Between every graph on 4 streams and the backward on one: the backward's launches re-placed on 2 streams
+    (one side stream's aten allocations and workspace beside the caller's), in the same module; one warning."""
+    fewer = FewerStreams()
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
+    assert fewer.asked == [2] and switches[True].on and switches[False].on
+    assert made == [4] and not step.failed_streams, "nothing compiles again"
+    forward, backward = step.backends[4].graphs
+    assert (forward.num_streams, backward.num_streams) == (4, 2) and backward.decided_by == "memory"
+    (warning,) = said
+    assert "backward graphs run on at most 2 streams" in warning and "20.00 MiB" in warning
+    status = step.status
+    assert status.captured and status.streams == 4 and "at most 2 streams" in status.why
+    assert (status.captures, status.failures) == (1, 1)
+
+
+def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_runs_it_on_one(monkeypatch):
+    """Two streams missed too: the backward runs inductor's own call, the forward keeps its 4 streams; where the
+    2-stream schedule is not worth running, the backward goes to one stream at the first miss."""
+    fewer = FewerStreams()
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM), torch.OutOfMemoryError(OOM.replace("20.00", "170.00"))])
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
+    assert fewer.asked == [2] and not switches[True].on and switches[False].on and made == [4]
+    forward, backward = step.backends[4].graphs
+    assert (forward.num_streams, backward.num_streams) == (4, 1) and backward.decided_by == "memory"
+    (warning,) = said  # what the last attempt missed, as the status says
+    assert "backward graphs run on 1 stream" in warning and "170.00 MiB" in warning and "170.00 MiB" in step.status.why
+    assert (step.status.captures, step.status.failures) == (1, 2)
+
+    fewer = FewerStreams(worth=False)
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(3), streams=4, fewer=fewer)
+    assert fewer.asked == [2] and not switches[True].on and step.backends[4].graphs[1].num_streams == 1
+    assert len(runner.attempts) == 2 and "backward graphs run on 1 stream" in said[0]
 
 
 def test_a_compiled_step_out_of_memory_switches_off_its_backward_graphs_streams_first(monkeypatch):
@@ -341,3 +394,33 @@ def test_narrowing_plans_for_memory_switches_off_the_backward_graphs_and_those_c
     later_fwd, later_bwd = install(False), install(True)
     assert running[later_fwd] and not running[later_bwd] and backend.graphs[later_bwd].decided_by == "memory"
     assert not backend.narrow_plans("again"), "nothing more to switch off"
+
+
+def test_narrowing_plans_steps_a_backward_on_more_than_two_streams_down_to_two_then_one():
+    """A backward graph on 4 streams goes to 2 (re-placed, not switched off), one on 2 stays; the next step
+    switches every backward graph off; a backward graph compiled after each step gets it at once."""
+    from concur.inductor.placement import InstalledPlan
+    from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
+
+    backend = ConcurBackend(BackendOptions(streams=4, measure=False))
+    running, fewer = {}, {}
+
+    def install(is_backward, streams=4):
+        record = len(backend.graphs)
+        backend.graphs.append(CompiledGraphInfo(is_backward, 9, 9, streams, 2, None))
+        running[record], fewer[record] = True, FewerStreams()
+        backend._install(record, InstalledPlan(None, None, lambda on, r=record: running.__setitem__(r, on),
+                                               fewer[record]))
+        return record
+
+    fwd, wide, narrow = install(False), install(True), install(True, streams=2)
+    assert backend.narrow_plans("out of memory") == 2 and backend.narrowed
+    assert fewer[wide].asked == [2] and fewer[narrow].asked == [] and fewer[fwd].asked == []
+    assert all(running.values()) and [g.num_streams for g in backend.graphs] == [4, 2, 2]
+    assert backend.graphs[wide].decided_by == "memory" and backend.graphs[narrow].decided_by == ""
+    later = install(True)
+    assert fewer[later].asked == [2] and backend.graphs[later].num_streams == 2
+    assert backend.narrow_plans("again") == 1
+    assert running == {fwd: True, wide: False, narrow: False, later: False}
+    assert install(True) and not running[max(running)], "compiled after: inductor's call at once"
+    assert backend.narrow_plans("once more") == 0

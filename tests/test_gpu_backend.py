@@ -117,3 +117,16 @@ def test_fused_path_under_the_sanitizer_reports_no_race(name, buffer_reuse):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sanitized run finished" in result.stdout
     assert "fallbacks []" in result.stdout, result.stdout[-2000:]
+
+
+def test_a_fused_backward_placed_again_on_two_streams_under_the_sanitizer_reports_no_race():
+    """The program a step that did not fit in memory runs (ConcurBackend.narrow_plans): GoogLeNet's backward
+    placed again on 2 streams from the wrapper already read, its forward on 4."""
+    result = subprocess.run([sys.executable, "-m", "tests.gpu_fused_sanitized_run", "--model", "googlenet",
+                             "--ordered-reuse", "--narrowed"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    print(result.stdout[-2000:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sanitized run finished" in result.stdout and "fallbacks []" in result.stdout, result.stdout[-2000:]
+    assert "backward streams [2]" in result.stdout, result.stdout[-2000:]

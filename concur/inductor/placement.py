@@ -58,6 +58,10 @@ class InstalledPlan:
     key: str | None                     # the graph's own decision key (None where nothing is measured)
     prediction: decide.Prediction
     use_streams: Callable[[bool], None]  # True: the multi-stream program runs; False: inductor's own call
+    # for a step that does not fit in memory: put the launches on at most k streams and run that program from
+    # now on (use_streams(True) included), returning its plan; None, changing nothing, where the schedule on k
+    # streams uses one or is predicted no faster than one stream (None: the graph cannot be re-placed)
+    fewer_streams: Callable[[int], KernelStreamPlan | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -185,9 +189,19 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
         if not decision.keep:  # inductor's own call runs, its convolution backward calls joint
             return PlacedKernels(plan, False, launches - added, decision.reason, reuses_kept=as_written,
                                  decision=decision)
-        chosen = rewritten(decision.candidate)
+        running = [rewritten(decision.candidate)]  # the program use_streams(True) runs: fewer_streams changes it
+
+        def fewer_streams(k: int) -> KernelStreamPlan | None:
+            schedule = decide.schedule_graph(dag, k, scheduler, min_cost)
+            if schedule.num_streams < 2 or decide.predict(dag, schedule).speedup < min_predicted_speedup:
+                return None
+            fewer = plan_emission(program, schedule, dag, allocate_on_caller=allocate_on_caller)
+            running[0] = build_call(program, fewer, namespace, bound_to)[0]
+            replace(running[0])
+            return fewer
+
         switch = None if own is None else InstalledPlan(key, decision.prediction,
-                                                        lambda on: replace(chosen if on else own))
+                                                        lambda on: replace(running[0] if on else own), fewer_streams)
         return PlacedKernels(plan, True, launches, reuses_kept=plan.reuses_kept, reuses_fresh=plan.reuses_fresh,
                              decision=decision, convolutions_split=len(split), installed_plan=switch)
 

@@ -161,7 +161,8 @@ class ConcurBackend:
         # index in ``graphs`` -> every multi-stream program still running, weighed or not: what a step
         # that does not fit in memory can switch off (narrow_plans)
         self._running: dict[int, InstalledPlan] = {}
-        self._narrowed_why: str | None = None  # why narrow_plans switched the backward graphs' programs off
+        # why narrow_plans took the backward graphs' programs down, and to how many streams at most
+        self._narrowed: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         o = self.options
@@ -266,10 +267,11 @@ class ConcurBackend:
         return compiled
 
     def _install(self, record: int, plan: InstalledPlan) -> None:
-        """Keep ``plan`` (graph ``record``'s) at hand; a graph of a kind narrowed before runs inductor's call."""
+        """Keep ``plan`` (graph ``record``'s) at hand; a backward graph after :meth:`narrow_plans` is narrowed
+        as the others were."""
         self._installed[record] = self._running[record] = plan
-        if self._narrowed_why is not None and self.graphs[record].is_backward:
-            self._switch_off([record], self._narrowed_why, "memory")
+        if self._narrowed is not None and self.graphs[record].is_backward:
+            self._narrow(record, *self._narrowed)
 
     # -- the decision over the whole step (concur.training.step_streams) -------------------------
 
@@ -296,27 +298,50 @@ class ConcurBackend:
 
     @property
     def narrowed(self) -> bool:
-        """Whether :meth:`narrow_plans` switched the backward graphs' programs off."""
-        return self._narrowed_why is not None
+        """Whether :meth:`narrow_plans` took the backward graphs' programs down."""
+        return self._narrowed is not None
 
-    def narrow_plans(self, reason: str) -> bool:
-        """Switch off the backward graphs' multi-stream programs, for a step that does not fit in memory.
+    def narrow_plans(self, reason: str) -> int:
+        """Take the backward graphs' multi-stream programs one step down, for a step that does not fit in memory;
+        return the streams they now run on at most (2 or 1), or 0 where nothing changed.
 
         The step's peak is at the start of backward, where the backward's side
         streams allocate gradients beside every saved activation; the forward
-        graphs keep their streams. Inductor's own call needs no recompile.
-        Backward graphs compiled later (a new input shape) run inductor's call
-        at once. Returns False, changing nothing, where no forward graph would
-        keep streams: then the step needs what one compiled for one stream
-        needs, and what this module holds is better given back with it.
+        graphs keep their streams. Where a backward graph runs on more than 2
+        streams, its launches are put on 2 (one side stream, beside the
+        caller's, allocates what aten makes itself and keeps a workspace); a
+        graph whose 2-stream schedule is predicted no faster than one stream,
+        and every backward graph at the next step down, runs inductor's own
+        call. Nothing recompiles. Backward graphs compiled later (a new input
+        shape) get the same at once. Returns 0, changing nothing, where no
+        forward graph would keep streams: then the step needs what one
+        compiled for one stream needs, and what this module holds is better
+        given back with it.
         """
         forward = [i for i in self._running if not self.graphs[i].is_backward]
         backward = [i for i in self._running if self.graphs[i].is_backward]
         if not forward or not backward:
-            return False
-        self._narrowed_why = reason
-        self._switch_off(backward, reason, "memory")
-        return True
+            return 0
+        widest = max(self.graphs[i].num_streams for i in backward)
+        to = 2 if widest > 2 and any(self._running[i].fewer_streams is not None for i in backward) else 1
+        self._narrowed = (reason, to)
+        for i in backward:
+            self._narrow(i, reason, to)
+        return max((self.graphs[i].num_streams for i in backward if i in self._running), default=1)
+
+    def _narrow(self, record: int, reason: str, streams: int) -> None:
+        """Run graph ``record``'s launches on at most ``streams`` streams (1: inductor's own call), for memory."""
+        plan = self._running[record]
+        g = self.graphs[record]
+        if streams > 1 and g.num_streams <= streams:
+            return
+        fewer = plan.fewer_streams(streams) if streams > 1 and plan.fewer_streams is not None else None
+        if fewer is None:
+            self._switch_off([record], reason, "memory")
+            return
+        self.graphs[record] = dataclasses.replace(g, num_streams=fewer.num_streams, num_waits=fewer.num_waits,
+                                                  reuses_kept=fewer.reuses_kept, reuses_fresh=fewer.reuses_fresh,
+                                                  decided_by="memory")
 
     def _switch_off(self, records: Sequence[int], reason: str, decided_by: str) -> None:
         """Put graphs ``records`` back on inductor's call for good, saying why in ``graphs``."""

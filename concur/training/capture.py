@@ -12,14 +12,14 @@ replay is exactly the user's first step. Otherwise warm-up runs whole steps
 
 A capture that fails for another reason than memory is tried once more in
 a new pool. One that runs out of memory keeps the streams where memory
-allows: a compiled step first switches off its backward graphs'
-multi-stream programs (the step's peak is at the start of backward); where
-that does not fit, or the step is unfused, it falls back to one stream, for this
-and later input shapes, and then to eager execution, with one warning each;
-what the failed attempt held (its module, graphs, pool and cached blocks) is
-given back first (:func:`capture_with_fallback`). The step
-keeps at most ``max_graphs`` graphs per position of the accumulation cycle
-and evicts the least recently used.
+allows: a compiled step first takes its backward graphs' multi-stream
+programs down, to 2 streams and then to one (the step's peak is at the start
+of backward); where that does not fit, or the step is unfused, it falls back
+to one stream, for this and later input shapes, and then to eager execution,
+with one warning each; what the failed attempt held (its module, graphs, pool
+and cached blocks) is given back first (:func:`capture_with_fallback`). The
+step keeps at most ``max_graphs`` graphs per position of the accumulation
+cycle and evicts the least recently used.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     A capture that fails for another reason than memory (a graph freed by
     another thread mid-capture, say) is tried once more, in a new pool, after
     what it held is given back. One that runs out of memory is not: a
-    compiled step first switches its backward graphs' multi-stream programs
-    off and captures once more (:func:`_capture_on`); where that does not
-    fit either, or the step is unfused, it drops to one stream, for this and
-    later input shapes, with one warning that says how much memory was
-    missing. Eager execution is the last resort, with a
+    compiled step first puts its backward graphs' multi-stream programs on
+    2 streams, then on one, capturing again after each (:func:`_capture_on`);
+    where that does not fit either, or the step is unfused, it drops to one
+    stream, for this and later input shapes, with one warning that says how
+    much memory was missing. Eager execution is the last resort, with a
     warning that says why and how to capture again.
     """
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
@@ -142,12 +142,13 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
 
     A failure for another reason than memory is tried again, up to
     :data:`CAPTURE_TRIES` attempts. Out of memory, a compiled step whose
-    forward and backward graphs both run on streams switches its backward
-    graphs' programs off and tries once more (:func:`_narrow`); the warning
-    that says so comes where that capture succeeds.
+    forward and backward graphs both run on streams takes its backward
+    graphs' programs down a step (to 2 streams, then to inductor's own call)
+    and tries again (:func:`_narrow`); the warning that says so comes where
+    a capture succeeds.
     """
     log = step.capture_log
-    why, memory, attempt, narrowed = "", False, 0, ""
+    why, memory, attempt, narrowed, narrowed_to = "", False, 0, "", 0
     while attempt < CAPTURE_TRIES:
         attempt += 1
         try:
@@ -161,33 +162,41 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
             log.recovered += attempt > 1 and not narrowed
             if narrowed:
                 step._warn_once(f"concur.train_step: the step with every graph on streams does not fit in memory "
-                                f"({narrowed}); its backward graphs run on 1 stream, its forward graphs keep "
-                                "theirs, for this and later input shapes.")
+                                f"({narrowed}); {_backward_on(narrowed_to)}, its forward graphs keep theirs, for "
+                                "this and later input shapes.")
             return captured, why, memory, attempt
         log.failures += 1
         step._trial = None
         step._runner.failed()
         if not memory:
             continue
-        if narrowed or not _narrow(step, streams, why):
+        narrowed_to = _narrow(step, streams, why)
+        if not narrowed_to:
             break
-        narrowed, attempt = why, 0  # the same module, its backward graphs on one stream: attempts of its own
+        # the same module, its backward graphs on fewer streams: attempts of their own; the warning, like the
+        # status, says what the last of them missed
+        narrowed, attempt = why, 0
     return None, why, memory, attempt
 
 
-def _narrow(step: CapturingStep, streams: int | str, why: str) -> bool:
-    """Where the compiled step on ``streams`` ran out of memory, switch its backward graphs' multi-stream
-    programs off (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return whether
-    it did (False for an unfused step, which drops to its one-stream module, and where no forward graph would
-    keep streams)."""
+def _backward_on(streams: int) -> str:
+    return f"its backward graphs run on {'1 stream' if streams == 1 else f'at most {streams} streams'}"
+
+
+def _narrow(step: CapturingStep, streams: int | str, why: str) -> int:
+    """Where the compiled step on ``streams`` ran out of memory, take its backward graphs' multi-stream programs
+    a step down (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return the
+    streams they now run on at most, or 0 where nothing changed (an unfused step, which drops to its one-stream
+    module; no forward graph that would keep streams; nothing left to take down)."""
     backend = step.backends.get(streams) if step.compile else None
-    if backend is None or not backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})"):
-        return False
+    to = 0 if backend is None else backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})")
+    if not to:
+        return 0
     if not step.graphs:  # the backward's side streams' cuBLAS workspaces, where no graph replays into them
         compat.clear_cublas_workspaces()
-    step.capture_log.fallbacks.append(f"the step with every graph on streams does not fit in memory ({why}); its "
-                                      "backward graphs run on 1 stream, its forward graphs keep theirs")
-    return True
+    step.capture_log.fallbacks.append(f"the step with every graph on streams does not fit in memory ({why}); "
+                                      f"{_backward_on(to)}, its forward graphs keep theirs")
+    return to
 
 
 def _keep(step: CapturingStep, key: tuple, captured: Captured) -> None:
