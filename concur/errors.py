@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-__all__ = ["debug", "exception_chain", "ConcurError", "CaptureError", "ExampleInputError", "BatchError",
-           "PlanError"]
+import torch
+
+__all__ = ["debug", "exception_chain", "says_out_of_memory", "failure_text", "ConcurError", "CaptureError",
+           "ExampleInputError", "BatchError", "PlanError"]
 
 DEBUG_ENV = "CONCUR_DEBUG"
 
@@ -32,6 +34,31 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def says_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` itself says the device ran out of memory: torch's ``OutOfMemoryError``, or the driver's
+    "out of memory" raised as another error."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+
+
+def failure_text(exc: BaseException) -> str:
+    """``exc`` in a few words for a warning or a decision's reason: the type and first line of its message, or of
+    the link of its chain that ran out of memory where one did. A capture that runs out of memory mid-way fails
+    at its end with another error ("capturing stream has unjoined work"), raised while the allocator's is
+    handled: that one says nothing of the cause.
+
+    >>> try:
+    ...     try:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+    ...     except torch.OutOfMemoryError:
+    ...         raise RuntimeError("CUDA error: capturing stream has unjoined work")
+    ... except RuntimeError as exc:
+    ...     failure_text(exc)
+    'OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB.'
+    """
+    told = next((link for link in exception_chain(exc) if says_out_of_memory(link)), exc)
+    return f"{type(told).__name__}: {(str(told).splitlines() or [''])[0][:200]}"
 
 
 class ConcurError(RuntimeError):

@@ -10,6 +10,7 @@ import logging
 
 import networkx as nx
 import pytest
+import torch
 
 from concur.dag import decide
 from concur.dag.disk_cache import JsonCache
@@ -99,6 +100,19 @@ def test_a_timer_that_fails_leaves_the_decision_to_the_prediction():
     d = decide.decide("g", FAST, timer=broken, cache=cache, key="k")
     assert d.keep and d.source == "prediction" and "timing failed (RuntimeError: operation not permitted" in d.reason
     assert cache.entries == {}  # nothing measured, nothing stored
+
+
+def test_a_timing_that_ran_out_of_memory_says_so_whatever_error_ended_it():
+    """A capture that runs out mid-way fails at its end with another error, raised while handling the
+    allocator's: the reason names the allocator's error, what a user can act on."""
+    def out_of_memory_mid_capture():
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 MiB. GPU 0 has a total")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: capturing stream has unjoined work")
+
+    d = decide.decide("g", FAST, timer=out_of_memory_mid_capture)
+    assert d.keep and "timing failed (OutOfMemoryError: CUDA out of memory. Tried to allocate 26.00 MiB" in d.reason
 
 
 def test_a_cache_hit_skips_timing_and_repeats_the_decision():

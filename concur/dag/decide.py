@@ -57,6 +57,8 @@ import networkx as nx
 
 import schedulers
 
+from concur.errors import failure_text
+
 log = logging.getLogger("concur")
 
 MIN_CLUSTER_LAUNCHES = 2  # a stream switch must be worth about this many launches (an event each way)
@@ -349,10 +351,9 @@ def _choose(what: str, candidates: list[Prediction], min_speedup: float, timer: 
         rounds = timer()
         one, *times = medians(rounds, 1 + len(worth))
     except Exception as exc:  # noqa: BLE001 - a program that cannot be timed is judged as without a GPU
-        why = (str(exc).splitlines() or [""])[0][:200]
         i = worth[by_prediction([candidates[i] for i in worth])]
         return Decision(True, candidates[i], None, "prediction",
-                        f"{_predicted(candidates[i])}; timing failed ({type(exc).__name__}: {why})", i)
+                        f"{_predicted(candidates[i])}; timing failed ({failure_text(exc)})", i)
     # the fewest streams within the margin of the fastest: as fast, with fewer streams' memory and launches
     pick = min(near_fastest(times, margin), key=lambda j: (candidates[worth[j]].num_streams, times[j]))
     i, p = worth[pick], candidates[worth[pick]]

@@ -32,12 +32,13 @@ import torch
 import torch.nn as nn
 
 from concur import _torch_compat as compat
+from concur.errors import failure_text
 from concur.fx.decision import PendingChoice
 from concur.fx.plan import cuda_device
 from concur.training import captured_optim
 from concur.training.gradients import StepGradients, optimized_parameters
 from concur.training.graph_runner import Captured
-from concur.training.out_of_memory import failure_text, is_out_of_memory, shortfall
+from concur.training.out_of_memory import is_out_of_memory, shortfall
 from concur.training.snapshot import Snapshot
 from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody

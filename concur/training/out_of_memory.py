@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import re
 
-import torch
+from concur.errors import exception_chain, says_out_of_memory
 
-from concur.errors import exception_chain
-
-__all__ = ["is_out_of_memory", "shortfall", "failure_text"]
+__all__ = ["is_out_of_memory", "shortfall"]
 
 _REQUEST = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)")
 _FREE = re.compile(r"of which ([0-9.]+ [KMGT]?i?B) is free")
@@ -28,13 +26,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     ``OutOfMemoryError``, or the driver's "out of memory" raised as another error. A capture that runs out of
     memory mid-way fails at its end with another error ("capturing stream has unjoined work"), raised while the
     allocator's is handled: the cause is the one in the chain."""
-    return any(isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
-               for e in exception_chain(exc))
-
-
-def failure_text(exc: BaseException) -> str:
-    """``exc`` in a few words for a warning: its type and the first line of its message."""
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    return any(says_out_of_memory(e) for e in exception_chain(exc))
 
 
 def shortfall(exc: BaseException) -> str:
