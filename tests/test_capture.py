@@ -291,23 +291,6 @@ def compiled_run(monkeypatch, runner, batches, backward_plans=True, streams=2, f
     return step, said, switches, made
 
 
-def test_a_compiled_step_on_more_than_two_streams_out_of_memory_puts_its_backward_on_two_first(monkeypatch):
-    """Between every graph on 4 streams and the backward on one: the backward's launches re-placed on 2 streams
-    (one side stream's aten allocations and workspace beside the caller's), in the same module; one warning."""
-    fewer = FewerStreams()
-    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
-    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
-    assert fewer.asked == [2] and switches[True].on and switches[False].on
-    assert made == [4] and not step.failed_streams, "nothing compiles again"
-    forward, backward = step.backends[4].graphs
-    assert (forward.num_streams, backward.num_streams) == (4, 2) and backward.decided_by == "memory"
-    (warning,) = said
-    assert "backward graphs run on at most 2 streams" in warning and "20.00 MiB" in warning
-    status = step.status
-    assert status.captured and status.streams == 4 and "at most 2 streams" in status.why
-    assert (status.captures, status.failures) == (1, 1)
-
-
 def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_runs_it_on_one(monkeypatch):
     """Two streams missed too: the backward runs inductor's own call, the forward keeps its 4 streams; where the
     2-stream schedule is not worth running, the backward goes to one stream at the first miss."""
@@ -328,19 +311,26 @@ def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_runs_i
     assert len(runner.attempts) == 2 and "backward graphs run on 1 stream" in said[0]
 
 
-def test_a_compiled_step_out_of_memory_switches_off_its_backward_graphs_streams_first(monkeypatch):
-    """The step's peak is at the start of backward: the backward graphs' programs go first, the forward graphs
-    keep their streams, nothing compiles again, and one warning says what was missing."""
+@pytest.mark.parametrize("streams, backward_streams, backward_on", [(2, 1, "1 stream"), (4, 2, "at most 2 streams")])
+def test_a_compiled_step_out_of_memory_takes_its_backward_graphs_streams_down_first(monkeypatch, streams,
+                                                                                   backward_streams, backward_on):
+    """The step's peak is at the start of backward: the backward graphs' programs go first (on more than 2
+    streams, their launches placed again on 2: one side stream's aten allocations and workspace beside the
+    caller's; else inductor's own call), the forward graphs keep their streams, nothing compiles again, and one
+    warning says what was missing."""
+    fewer = FewerStreams()
     runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
-    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(5))
-    assert switches[False].on and not switches[True].on
-    assert made == [2] and not step.failed_streams, "the same compiled module, not one compiled for 1 stream"
-    forward, backward = step.backends[2].graphs
-    assert (forward.num_streams, backward.num_streams) == (2, 1) and backward.decided_by == "memory"
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(5), streams=streams, fewer=fewer)
+    assert fewer.asked == ([2] if streams > 2 else [])
+    assert switches[False].on and switches[True].on == (streams > 2)
+    assert made == [streams] and not step.failed_streams, "the same compiled module, not one compiled for 1 stream"
+    forward, backward = step.backends[streams].graphs
+    assert (forward.num_streams, backward.num_streams) == (streams, backward_streams)
+    assert backward.decided_by == "memory"
     (warning,) = said
-    assert "backward graphs run on 1 stream" in warning and "20.00 MiB" in warning
+    assert f"backward graphs run on {backward_on}" in warning and "20.00 MiB" in warning
     status = step.status
-    assert status.captured and status.streams == 2 and "backward graphs run on 1 stream" in status.why
+    assert status.captured and status.streams == streams and f"backward graphs run on {backward_on}" in status.why
     assert (status.captures, status.failures) == (1, 1)
 
 
