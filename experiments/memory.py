@@ -43,7 +43,9 @@ N configurations run side by side, the runs of each one after another; limits
 and peaks stay per process, but the processes share the GPU, so the times of
 such a run are not speed figures: time with ``--jobs 1``. A concur row also
 has what the step held by pool and stream at each failed setup attempt
-(``held_at_failures``). ``--kernels N``
+(``held_at_failures``), and a compiled step's row the most streams its
+forward and its backward graphs run (``forward_streams``,
+``backward_streams``: under pressure the backward runs fewer). ``--kernels N``
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
@@ -237,6 +239,11 @@ def _streams_kept(step: Any) -> dict:
                      fallbacks=list(status.fallbacks))
     graphs = getattr(step, "graphs", None) or {}
     found["graph_streams"] = sorted({getattr(c, "streams", None) for c in graphs.values()}, key=str)
+    # a compiled step's forward and backward graphs: under memory pressure its backward runs fewer streams
+    compiled = [g for b in (getattr(step, "backends", None) or {}).values() for g in getattr(b, "graphs", ())]
+    if compiled:
+        for kind, backward in (("forward_streams", False), ("backward_streams", True)):
+            found[kind] = max((g.num_streams for g in compiled if g.is_backward == backward), default=1)
     decisions = getattr(step, "step_decisions", None) or []
     found["decisions"] = [dict(keep=getattr(d, "keep", None), source=getattr(d, "source", None),
                                reason=str(getattr(d, "reason", ""))[:300]) for d in decisions]
@@ -454,6 +461,8 @@ def _cell(row: dict, alone: dict | None) -> str:
     parts = [row["outcome"]]
     if streams is not None:
         parts.append(f"s{'/'.join(map(str, streams)) if isinstance(streams, list) else streams}")
+    if row.get("backward_streams") not in (None, row.get("forward_streams")):
+        parts.append(f"(backward {row['backward_streams']})")
     if row.get("ms_per_step") is not None:
         parts.append(f"{row['ms_per_step']:.2f} ms")
     if alone is not None:

@@ -270,6 +270,21 @@ def test_how_the_step_runs_comes_from_its_status_and_the_graphs_streams_beside_i
     assert "status" not in memory._streams_kept(types.SimpleNamespace(graphs=graphs))
 
 
+def test_a_compiled_steps_row_has_its_forward_and_backward_graphs_streams_and_the_table_shows_a_narrowed_one():
+    """Under memory pressure a compiled step's backward runs fewer streams than its forward: the row and the
+    table say so."""
+    def info(backward, streams):
+        return types.SimpleNamespace(is_backward=backward, num_streams=streams)
+
+    backend = types.SimpleNamespace(graphs=[info(False, 4), info(True, 2), info(False, 1)])
+    kept = memory._streams_kept(types.SimpleNamespace(graphs={}, backends={4: backend}))
+    assert (kept["forward_streams"], kept["backward_streams"]) == (4, 2)
+    assert "backward_streams" not in memory._streams_kept(types.SimpleNamespace(graphs={}, backends={}))
+    row = dict(outcome="fit", streams=4, forward_streams=4, backward_streams=2, ms_per_step=7.41)
+    assert memory._cell(row, None) == "fit s4 (backward 2) 7.41 ms"
+    assert memory._cell(dict(row, backward_streams=4), None) == "fit s4 7.41 ms"
+
+
 def test_concurs_memory_fallback_warning_is_a_fallback():
     assert memory.FALLBACK.search("concur.train_step: the step on 4 streams does not fit in memory (an allocation "
                                   "of 20.00 MiB did not fit); running it on 1 stream instead, for this and later "
