@@ -550,6 +550,27 @@ def build_schedule(
     )
 
 
+def on_caller(dag: nx.DiGraph, schedule: Schedule, nodes: Iterable[Hashable]) -> Schedule:
+    """Return `schedule` with `nodes` moved to the caller's stream, in the same order, with minimal waits.
+
+    For work that must not run on a side stream: a call that allocates on
+    the stream it runs on keeps blocks there that no other stream's work can
+    reuse, which a program short of memory cannot afford.
+
+    >>> import networkx as nx
+    >>> dag = nx.DiGraph([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    >>> nx.set_node_attributes(dag, 1.0, "cost")
+    >>> s = build_schedule(dag, ["a", "b", "c", "d"], {"a": 0, "b": 0, "c": 1, "d": 0}, "critical_path")
+    >>> moved = on_caller(dag, s, ["c"])
+    >>> dict(moved.stream), moved.num_streams, moved.waits
+    ({'a': 0, 'b': 0, 'c': 0, 'd': 0}, 1, ())
+    """
+    caller = schedule.stream[schedule.order[0]]  # the stream build_schedule numbers 0
+    nodes = set(nodes)
+    stream = {v: caller if v in nodes else t for v, t in schedule.stream.items()}
+    return build_schedule(dag, schedule.order, stream, schedule.scheduler, schedule.sync_cost)
+
+
 SCHEDULERS: dict[str, Callable[..., Schedule]] = {}
 
 

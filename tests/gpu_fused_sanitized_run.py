@@ -1,13 +1,14 @@
 """Train a few steps of the fused path (torch.compile, backend "concur") under CUDA's sanitizer; exit 0 if no race.
 
 Usage: python -m tests.gpu_fused_sanitized_run --model NAME [--no-buffer-reuse | --ordered-reuse] [--steps N]
-                                                [--narrowed]
+                                                [--narrowed N]
 NAME is a key of tests.gpu_fused_models.FUSED_MODELS. The model is
 channels-last and every graph that can be is put on 4 streams
 (``min_predicted_speedup=1.0``), so the sanitizer sees the streams the plan
-uses; with ``--narrowed`` the backward graphs' programs are then placed again
-on 2 streams, as where the step did not fit in memory
-(``ConcurBackend.narrow_plans``). CSAN cannot be switched off once on, so the GPU tests run this in a
+uses; with ``--narrowed N`` the backward graphs' programs are then taken
+down N steps, as where the step did not fit in memory
+(``ConcurBackend.narrow_plans``: 1, on 2 streams; 2, aten's calls on the
+caller's stream). CSAN cannot be switched off once on, so the GPU tests run this in a
 subprocess.
 """
 
@@ -36,7 +37,8 @@ def main() -> None:
     reuse.add_argument("--no-buffer-reuse", action="store_true")
     reuse.add_argument("--ordered-reuse", action="store_true", help='buffer_reuse="ordered"')
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--narrowed", action="store_true", help="the backward graphs placed again on 2 streams")
+    p.add_argument("--narrowed", type=int, default=0, metavar="STEPS",
+                   help="the backward graphs taken down STEPS steps (1: on 2 streams; 2: aten's calls on the caller's)")
     a = p.parse_args()
     make, size, batch = FUSED_MODELS[a.model]
     torch.manual_seed(0)
@@ -61,10 +63,10 @@ def main() -> None:
     _sanitizer.CUDASanitizerDispatchMode.ignore_compile_internals = classmethod(lambda cls: True)
     step(x, y)
     torch.cuda.synchronize()
-    if a.narrowed:
-        (backend,) = step.backends.values()
-        if backend.narrow_plans("narrowed for the sanitizer") != 2:
-            raise SystemExit(f"no backward graph went to 2 streams: {backend.graphs}")
+    (backend,) = step.backends.values()
+    for _ in range(a.narrowed):
+        if backend.narrow_plans("narrowed for the sanitizer") in ("", "on 1 stream"):
+            raise SystemExit(f"no backward graph kept several streams: {backend.graphs}")
     graphs = [g for b in step.backends.values() for g in b.graphs]
     streams = [g.num_streams for g in graphs]
     if not streams or max(streams) < 2:

@@ -250,10 +250,10 @@ class FewerStreams:
     def __init__(self, worth=True):
         self.asked, self.worth = [], worth
 
-    def __call__(self, k):
+    def __call__(self, k, lean=False):
         from concur.inductor.wrapper_emit import KernelStreamPlan
 
-        self.asked.append(k)
+        self.asked.append((k, lean) if lean else k)
         return KernelStreamPlan((), (), num_streams=k, num_events=1, num_waits=1, num_launches=12, num_barriers=0,
                                 ideal_speedup=1.5, predicted_speedup=1.2) if self.worth else None
 
@@ -291,18 +291,30 @@ def compiled_run(monkeypatch, runner, batches, backward_plans=True, streams=2, f
     return step, said, switches, made
 
 
-def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_runs_it_on_one(monkeypatch):
-    """Two streams missed too: the backward runs inductor's own call, the forward keeps its 4 streams; where the
-    2-stream schedule is not worth running, the backward goes to one stream at the first miss."""
+def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_keeps_aten_on_the_caller_then_one(
+        monkeypatch):
+    """Two streams missed too: the backward's aten calls go to the caller's stream, inductor's kernels keep the
+    side streams (no side stream allocates); that missed as well, the backward runs inductor's own call; the
+    forward keeps its 4 streams throughout. Where a step's schedule is not worth running, the backward goes to
+    one stream at once."""
+    oom = lambda size: torch.OutOfMemoryError(OOM.replace("20.00", size))  # noqa: E731
     fewer = FewerStreams()
-    runner = FailingGraphs([torch.OutOfMemoryError(OOM), torch.OutOfMemoryError(OOM.replace("20.00", "170.00"))])
+    runner = FailingGraphs([oom("20.00"), oom("170.00")])
     step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
-    assert fewer.asked == [2] and not switches[True].on and switches[False].on and made == [4]
+    assert fewer.asked == [2, (4, True)] and switches[True].on and switches[False].on and made == [4]
+    (warning,) = said  # what the last attempt missed, as the status says
+    assert "backward graphs run on at most 4 streams, aten's calls on the caller's" in warning
+    assert "170.00 MiB" in warning and "170.00 MiB" in step.status.why and "aten's calls" in step.status.why
+
+    fewer = FewerStreams()
+    runner = FailingGraphs([oom("20.00"), oom("170.00"), oom("120.00")])
+    step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
+    assert fewer.asked == [2, (4, True)] and not switches[True].on and switches[False].on and made == [4]
     forward, backward = step.backends[4].graphs
     assert (forward.num_streams, backward.num_streams) == (4, 1) and backward.decided_by == "memory"
-    (warning,) = said  # what the last attempt missed, as the status says
-    assert "backward graphs run on 1 stream" in warning and "170.00 MiB" in warning and "170.00 MiB" in step.status.why
-    assert (step.status.captures, step.status.failures) == (1, 2)
+    (warning,) = said
+    assert "backward graphs run on 1 stream" in warning and "120.00 MiB" in warning
+    assert (step.status.captures, step.status.failures) == (1, 3)
 
     fewer = FewerStreams(worth=False)
     runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
@@ -311,26 +323,26 @@ def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_runs_i
     assert len(runner.attempts) == 2 and "backward graphs run on 1 stream" in said[0]
 
 
-@pytest.mark.parametrize("streams, backward_streams, backward_on", [(2, 1, "1 stream"), (4, 2, "at most 2 streams")])
-def test_a_compiled_step_out_of_memory_takes_its_backward_graphs_streams_down_first(monkeypatch, streams,
-                                                                                   backward_streams, backward_on):
+@pytest.mark.parametrize("streams, asked, backward_on", [
+    (4, [2], "on at most 2 streams"),
+    (2, [(2, True)], "on at most 2 streams, aten's calls on the caller's")])
+def test_a_compiled_step_out_of_memory_takes_its_backward_graphs_streams_down_first(monkeypatch, streams, asked,
+                                                                                   backward_on):
     """The step's peak is at the start of backward: the backward graphs' programs go first (on more than 2
     streams, their launches placed again on 2: one side stream's aten allocations and workspace beside the
-    caller's; else inductor's own call), the forward graphs keep their streams, nothing compiles again, and one
-    warning says what was missing."""
+    caller's; on 2, aten's calls on the caller's stream), the forward graphs keep their streams, nothing
+    compiles again, and one warning says what was missing."""
     fewer = FewerStreams()
     runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
     step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(5), streams=streams, fewer=fewer)
-    assert fewer.asked == ([2] if streams > 2 else [])
-    assert switches[False].on and switches[True].on == (streams > 2)
+    assert fewer.asked == asked and switches[False].on and switches[True].on
     assert made == [streams] and not step.failed_streams, "the same compiled module, not one compiled for 1 stream"
     forward, backward = step.backends[streams].graphs
-    assert (forward.num_streams, backward.num_streams) == (streams, backward_streams)
-    assert backward.decided_by == "memory"
+    assert (forward.num_streams, backward.num_streams) == (streams, 2) and backward.decided_by == "memory"
     (warning,) = said
-    assert f"backward graphs run on {backward_on}" in warning and "20.00 MiB" in warning
+    assert f"backward graphs run {backward_on}, its forward" in warning and "20.00 MiB" in warning
     status = step.status
-    assert status.captured and status.streams == streams and f"backward graphs run on {backward_on}" in status.why
+    assert status.captured and status.streams == streams and f"backward graphs run {backward_on}" in status.why
     assert (status.captures, status.failures) == (1, 1)
 
 
@@ -386,8 +398,9 @@ def test_narrowing_plans_for_memory_switches_off_the_backward_graphs_and_those_c
     assert not backend.narrow_plans("again"), "nothing more to switch off"
 
 
-def test_narrowing_plans_steps_a_backward_on_more_than_two_streams_down_to_two_then_one():
-    """A backward graph on 4 streams goes to 2 (re-placed, not switched off), one on 2 stays; the next step
+def test_narrowing_plans_steps_a_backward_down_to_two_streams_then_aten_on_the_caller_then_one():
+    """A backward graph on 4 streams goes to 2 (placed again, not switched off), one on 2 stays; the next step
+    puts every backward's aten calls on the caller's stream (placed again on the backend's 4 streams); the next
     switches every backward graph off; a backward graph compiled after each step gets it at once."""
     from concur.inductor.placement import InstalledPlan
     from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
@@ -404,13 +417,30 @@ def test_narrowing_plans_steps_a_backward_on_more_than_two_streams_down_to_two_t
         return record
 
     fwd, wide, narrow = install(False), install(True), install(True, streams=2)
-    assert backend.narrow_plans("out of memory") == 2 and backend.narrowed
+    assert backend.narrow_plans("out of memory") == "on at most 2 streams" and backend.narrowed
     assert fewer[wide].asked == [2] and fewer[narrow].asked == [] and fewer[fwd].asked == []
     assert all(running.values()) and [g.num_streams for g in backend.graphs] == [4, 2, 2]
     assert backend.graphs[wide].decided_by == "memory" and backend.graphs[narrow].decided_by == ""
     later = install(True)
     assert fewer[later].asked == [2] and backend.graphs[later].num_streams == 2
-    assert backend.narrow_plans("again") == 1
-    assert running == {fwd: True, wide: False, narrow: False, later: False}
-    assert install(True) and not running[max(running)], "compiled after: inductor's call at once"
-    assert backend.narrow_plans("once more") == 0
+    assert backend.narrow_plans("again") == "on at most 4 streams, aten's calls on the caller's"
+    assert [fewer[r].asked[-1] for r in (wide, narrow, later)] == [(4, True)] * 3 and all(running.values())
+    assert install(True) and fewer[max(running)].asked == [(4, True)], "compiled after: the same step at once"
+    assert backend.narrow_plans("once more") == "on 1 stream"
+    assert running == {fwd: True, wide: False, narrow: False, later: False, max(running): False}
+    assert backend.narrow_plans("nothing left") == ""
+
+
+def test_a_backward_that_cannot_be_placed_again_goes_from_every_stream_to_one():
+    """No program to place again (a graph whose own call was not found): the backward steps straight to
+    inductor's call."""
+    from concur.inductor.placement import InstalledPlan
+    from concur.inductor.stream_backend import BackendOptions, CompiledGraphInfo, ConcurBackend
+
+    backend = ConcurBackend(BackendOptions(streams=4, measure=False))
+    running = {}
+    for record, is_backward in enumerate((False, True)):
+        backend.graphs.append(CompiledGraphInfo(is_backward, 9, 9, 4, 2, None))
+        running[record] = True
+        backend._install(record, InstalledPlan(None, None, lambda on, r=record: running.__setitem__(r, on)))
+    assert backend.narrow_plans("out of memory") == "on 1 stream" and running == {0: True, 1: False}

@@ -119,14 +119,17 @@ def test_fused_path_under_the_sanitizer_reports_no_race(name, buffer_reuse):
     assert "fallbacks []" in result.stdout, result.stdout[-2000:]
 
 
-def test_a_fused_backward_placed_again_on_two_streams_under_the_sanitizer_reports_no_race():
-    """The program a step that did not fit in memory runs (ConcurBackend.narrow_plans): GoogLeNet's backward
-    placed again on 2 streams from the wrapper already read, its forward on 4."""
+@pytest.mark.parametrize("steps, backward", [(1, "[2]"), (2, None)], ids=["two_streams", "aten_on_caller"])
+def test_a_fused_backward_taken_down_for_memory_under_the_sanitizer_reports_no_race(steps, backward):
+    """The programs a step that did not fit in memory runs (ConcurBackend.narrow_plans): GoogLeNet's backward
+    placed again on 2 streams from the wrapper already read, then with its aten calls on the caller's stream;
+    its forward on 4."""
     result = subprocess.run([sys.executable, "-m", "tests.gpu_fused_sanitized_run", "--model", "googlenet",
-                             "--ordered-reuse", "--narrowed"],
+                             "--ordered-reuse", "--narrowed", str(steps)],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": ROOT})
     print(result.stdout[-2000:])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sanitized run finished" in result.stdout and "fallbacks []" in result.stdout, result.stdout[-2000:]
-    assert "backward streams [2]" in result.stdout, result.stdout[-2000:]
+    if backward is not None:
+        assert f"backward streams {backward}" in result.stdout, result.stdout[-2000:]

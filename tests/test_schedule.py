@@ -19,6 +19,7 @@ from schedulers import (
     critical_path,
     fork,
     minimal_waits,
+    on_caller,
     schedule,
     serial,
     simulate,
@@ -149,6 +150,20 @@ def test_every_schedule_is_valid_and_within_stream_budget(dag, k, name):
     assert validate(dag, s) == []
     assert 1 <= s.num_streams <= k
     assert all(0 <= t < k for t in s.stream.values())
+
+
+@PROPS
+@given(dag=random_dags(), k=st.integers(2, 8), name=st.sampled_from(sorted(SCHEDULERS)), data=st.data())
+def test_nodes_moved_to_the_callers_stream_run_there_in_the_same_order_and_every_edge_is_kept(dag, k, name, data):
+    s = schedule(dag, k, scheduler=name)
+    moved = set(data.draw(st.lists(st.sampled_from(sorted(dag.nodes)), unique=True)))
+    confined = on_caller(dag, s, moved)
+    assert validate(dag, confined) == [] and confined.order == s.order
+    assert all(confined.stream[v] == 0 for v in moved)
+    # the others stay together as before (the numbers may change: streams are numbered by first use)
+    rest = [v for v in s.order if v not in moved]
+    assert all((s.stream[u] == s.stream[v]) == (confined.stream[u] == confined.stream[v])
+               for u in rest for v in rest if confined.stream[u] and confined.stream[v])
 
 
 @PROPS

@@ -10,6 +10,7 @@ model then goes through inductor on the CPU and must train like eager.
 
 from __future__ import annotations
 
+import ast
 import copy
 import gzip
 from pathlib import Path
@@ -645,6 +646,33 @@ def test_real_graphs_allocate_every_buffer_a_side_stream_touches_first_on_the_ca
     assert len(on_side(plain)) == plan.allocations_on_caller > 0 and on_side(plan) == set()
     assert unordered_allocations(plan, program, schedule) == unordered_allocations(plain, program, schedule) == []
     assert plan.num_launches == plain.num_launches and plan.num_waits == plain.num_waits
+
+
+@pytest.mark.parametrize("graph", ["googlenet_bf16_cl_bwd", "inception_v3_bf16_cl_bwd"])
+def test_real_backwards_with_their_aten_calls_on_the_callers_stream_leave_nothing_to_allocate_on_a_side_stream(graph):
+    """The step a backward takes where memory is short (ConcurBackend.narrow_plans): every launch that allocates
+    on its own stream (aten's calls: convolutions, their workspaces) on the caller's stream, buffers made there
+    too, so no side stream keeps a block; inductor's kernels still run beside them."""
+    import schedulers
+    from concur.dag import decide
+    from concur.inductor.wrapper_parse import source_namespace
+
+    path = Path(__file__).parent / "fixtures" / "wrappers" / "torch2.11.0-cuda" / graph / "wrapper.py.gz"
+    source = gzip.open(path, "rt").read()
+    program = parse_wrapper(source, source_namespace(source), split_reuses=True)
+    dag = launch_dag(program, {}, 1.0)
+    allocating = {s.index for s in program.launches if s.allocates}
+    assert allocating and any(not s.allocates for s in program.launches)
+    schedule = decide.schedule_graph(dag, 4, "critical_path", 2.0)
+    assert any(schedule.stream[v] for v in allocating), "the plan would run aten calls on side streams"
+    lean = schedulers.on_caller(dag, schedule, allocating)
+    assert lean.num_streams > 1 and schedulers.validate(dag, lean) == []
+    plan = plan_emission(program, lean, dag, allocate_on_caller=True)
+    stream = streams_of(plan.steps)
+    on_side = [s.statement for i, s in enumerate(plan.steps)
+               if s.op == "stmt" and stream[i] != 0 and (s.statement.allocates or s.statement.fresh)]
+    assert on_side == [], [ast.unparse(s.node)[:80] for s in on_side]
+    assert unordered_allocations(plan, program, lean) == []
 
 
 def test_place_kernels_passes_allocate_on_caller_to_every_plan(monkeypatch):

@@ -58,10 +58,12 @@ class InstalledPlan:
     key: str | None                     # the graph's own decision key (None where nothing is measured)
     prediction: decide.Prediction
     use_streams: Callable[[bool], None]  # True: the multi-stream program runs; False: inductor's own call
-    # for a step that does not fit in memory: put the launches on at most k streams and run that program from
-    # now on (use_streams(True) included), returning its plan; None, changing nothing, where the schedule on k
-    # streams uses one or is predicted no faster than one stream (None: the graph cannot be re-placed)
-    fewer_streams: Callable[[int], KernelStreamPlan | None] | None = None
+    # for a step that does not fit in memory: put the launches on at most k streams (with lean=True every
+    # launch that allocates on its own stream, aten's calls, on the caller's: only inductor's kernels, which
+    # write buffers made on the caller's stream, go to side streams) and run that program from now on
+    # (use_streams(True) included), returning its plan; None, changing nothing, where that schedule uses one
+    # stream or is predicted no faster than one (None: the graph cannot be re-placed)
+    fewer_streams: Callable[..., KernelStreamPlan | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -191,8 +193,12 @@ def place_kernels(compiled: Any, node_costs: Mapping[str, tuple[float, dict]], r
                                  decision=decision)
         running = [rewritten(decision.candidate)]  # the program use_streams(True) runs: fewer_streams changes it
 
-        def fewer_streams(k: int) -> KernelStreamPlan | None:
+        def fewer_streams(k: int, lean: bool = False) -> KernelStreamPlan | None:
+            if lean and not allocate_on_caller:  # inductor's kernels' buffers would be made on the side streams
+                return None
             schedule = decide.schedule_graph(dag, k, scheduler, min_cost)
+            if lean:
+                schedule = schedulers.on_caller(dag, schedule, (s.index for s in program.launches if s.allocates))
             if schedule.num_streams < 2 or decide.predict(dag, schedule).speedup < min_predicted_speedup:
                 return None
             fewer = plan_emission(program, schedule, dag, allocate_on_caller=allocate_on_caller)

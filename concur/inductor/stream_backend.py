@@ -49,6 +49,10 @@ DEFAULT_MIN_PREDICTED_SPEEDUP = decide.MIN_SPEEDUP
 
 BUFFER_REUSE_ORDERED = "ordered"  # inductor's reuse, kept where the schedule orders it (BackendOptions.buffer_reuse)
 
+# the steps a backward graph's program goes down where the step does not fit in memory (ConcurBackend.narrow_plans)
+TWO_STREAMS, LEAN, ONE_STREAM = "2 streams", "aten's calls on the caller's stream", "1 stream"
+NARROWING = (TWO_STREAMS, LEAN, ONE_STREAM)
+
 
 @dataclass(frozen=True)
 class BackendOptions:
@@ -161,8 +165,8 @@ class ConcurBackend:
         # index in ``graphs`` -> every multi-stream program still running, weighed or not: what a step
         # that does not fit in memory can switch off (narrow_plans)
         self._running: dict[int, InstalledPlan] = {}
-        # why narrow_plans took the backward graphs' programs down, and to how many streams at most
-        self._narrowed: tuple[str, int] | None = None
+        # why narrow_plans took the backward graphs' programs down, and to which step of NARROWING
+        self._narrowed: tuple[str, str] | None = None
 
     def __repr__(self) -> str:
         o = self.options
@@ -301,41 +305,54 @@ class ConcurBackend:
         """Whether :meth:`narrow_plans` took the backward graphs' programs down."""
         return self._narrowed is not None
 
-    def narrow_plans(self, reason: str) -> int:
+    def narrow_plans(self, reason: str) -> str:
         """Take the backward graphs' multi-stream programs one step down, for a step that does not fit in memory;
-        return the streams they now run on at most (2 or 1), or 0 where nothing changed.
+        return what they run now, in words ("on at most 2 streams", ...), or "" where nothing changed.
 
         The step's peak is at the start of backward, where the backward's side
         streams allocate gradients beside every saved activation; the forward
-        graphs keep their streams. Where a backward graph runs on more than 2
-        streams, its launches are put on 2 (one side stream, beside the
-        caller's, allocates what aten makes itself and keeps a workspace); a
-        graph whose 2-stream schedule is predicted no faster than one stream,
-        and every backward graph at the next step down, runs inductor's own
-        call. Nothing recompiles. Backward graphs compiled later (a new input
-        shape) get the same at once. Returns 0, changing nothing, where no
-        forward graph would keep streams: then the step needs what one
-        compiled for one stream needs, and what this module holds is better
-        given back with it.
+        graphs keep their streams. The steps, each one only where it changes
+        something: a backward graph on more than 2 streams is placed again on
+        2 (one side stream, beside the caller's, allocates what aten makes
+        itself and keeps a workspace); then every launch that allocates on its
+        own stream (aten's calls: convolutions, their workspaces) goes to the
+        caller's stream and only inductor's kernels, which write buffers made
+        on the caller's stream, run on side streams, so that no side stream
+        keeps blocks of its own; then inductor's own call. A graph whose
+        schedule at a step is predicted no faster than one stream runs
+        inductor's call at once. Nothing recompiles. Backward graphs compiled
+        later (a new input shape) get the same at once. Returns "", changing
+        nothing, where no forward graph would keep streams: then the step
+        needs what one compiled for one stream needs, and what this module
+        holds is better given back with it.
         """
         forward = [i for i in self._running if not self.graphs[i].is_backward]
         backward = [i for i in self._running if self.graphs[i].is_backward]
         if not forward or not backward:
-            return 0
+            return ""
+        placeable = any(self._running[i].fewer_streams is not None for i in backward)
         widest = max(self.graphs[i].num_streams for i in backward)
-        to = 2 if widest > 2 and any(self._running[i].fewer_streams is not None for i in backward) else 1
-        self._narrowed = (reason, to)
+        done = 0 if self._narrowed is None else NARROWING.index(self._narrowed[1]) + 1
+        rung = next(r for r in NARROWING[done:] if r == ONE_STREAM or placeable and (r != TWO_STREAMS or widest > 2))
+        self._narrowed = (reason, rung)
         for i in backward:
-            self._narrow(i, reason, to)
-        return max((self.graphs[i].num_streams for i in backward if i in self._running), default=1)
+            self._narrow(i, reason, rung)
+        running = [i for i in backward if i in self._running]
+        if not running:
+            return "on 1 stream"
+        most = max(self.graphs[i].num_streams for i in running)
+        return f"on at most {most} streams" + (", aten's calls on the caller's" if rung == LEAN else "")
 
-    def _narrow(self, record: int, reason: str, streams: int) -> None:
-        """Run graph ``record``'s launches on at most ``streams`` streams (1: inductor's own call), for memory."""
+    def _narrow(self, record: int, reason: str, rung: str) -> None:
+        """Take graph ``record``'s program to step ``rung`` of :data:`NARROWING`, for memory."""
         plan = self._running[record]
         g = self.graphs[record]
-        if streams > 1 and g.num_streams <= streams:
+        if rung == TWO_STREAMS and g.num_streams <= 2:
             return
-        fewer = plan.fewer_streams(streams) if streams > 1 and plan.fewer_streams is not None else None
+        fewer = None
+        if rung != ONE_STREAM and plan.fewer_streams is not None:
+            fewer = plan.fewer_streams(2) if rung == TWO_STREAMS else \
+                plan.fewer_streams(max(decide.stream_counts(self.options.streams)), lean=True)
         if fewer is None:
             self._switch_off([record], reason, "memory")
             return

@@ -381,7 +381,7 @@ def _launch(index: int, node: ast.stmt, call: ast.Call, target: str | None, grou
     dtypes = {g: next(iter(types)) for g, types in typed.items() if len(types) == 1 and None not in types}
     return Statement(index, node, "launch", frozenset(uses), frozenset(binds), frozenset(reads),
                      frozenset(writes), (), frozenset(touched - {WORLD, RNG}), frozenset(fresh), group,
-                     frozenset((stored & writes) - other), dtypes)
+                     frozenset((stored & writes) - other), dtypes, allocates=signature is None)
 
 
 def _kernel_arguments(call: ast.Call, signature: KernelSignature) -> list[tuple[str | None, ast.expr]] | None:

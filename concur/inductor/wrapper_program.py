@@ -56,6 +56,10 @@ class Statement:
     # group -> element type, where every argument of a launch naming the group is one of its names passed
     # to a kernel pointer of a declared element type, and those types agree (see :attr:`KernelSignature.dtypes`)
     dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    # a launch that is not one of inductor's own kernels (an extern kernel, an aten call): it may allocate on the
+    # stream it runs on (its outputs, a cuDNN or cuBLAS workspace), where inductor's kernels write only buffers
+    # the wrapper made
+    allocates: bool = False
 
     @property
     def is_launch(self) -> bool:

@@ -13,8 +13,8 @@ replay is exactly the user's first step. Otherwise warm-up runs whole steps
 A capture that fails for another reason than memory is tried once more in
 a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
-programs down, to 2 streams and then to one (the step's peak is at the start
-of backward); where that does not fit, or the step is unfused, it falls back
+programs down, to 2 streams, then with aten's calls on the caller's stream,
+then to one (the step's peak is at the start of backward); where that does not fit, or the step is unfused, it falls back
 to one stream, for this and later input shapes, and then to eager execution,
 with one warning each; what the failed attempt held (its module, graphs, pool
 and cached blocks) is given back first (:func:`capture_with_fallback`). The
@@ -98,8 +98,8 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     A capture that fails for another reason than memory (a graph freed by
     another thread mid-capture, say) is tried once more, in a new pool, after
     what it held is given back. One that runs out of memory is not: a
-    compiled step first puts its backward graphs' multi-stream programs on
-    2 streams, then on one, capturing again after each (:func:`_capture_on`);
+    compiled step first takes its backward graphs' multi-stream programs
+    down a step at a time, capturing again after each (:func:`_capture_on`);
     where that does not fit either, or the step is unfused, it drops to one
     stream, for this and later input shapes, with one warning that says how
     much memory was missing. Eager execution is the last resort, with a
@@ -144,12 +144,13 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
     A failure for another reason than memory is tried again, up to
     :data:`CAPTURE_TRIES` attempts. Out of memory, a compiled step whose
     forward and backward graphs both run on streams takes its backward
-    graphs' programs down a step (to 2 streams, then to inductor's own call)
-    and tries again (:func:`_narrow`); the warning that says so comes where
-    a capture succeeds.
+    graphs' programs down a step (to 2 streams, then with aten's calls on the
+    caller's stream, then to inductor's own call) and tries again
+    (:func:`_narrow`); the warning that says so comes where a capture
+    succeeds.
     """
     log = step.capture_log
-    why, memory, attempt, narrowed, narrowed_to = "", False, 0, "", 0
+    why, memory, attempt, narrowed, narrowed_to = "", False, 0, "", ""
     while attempt < CAPTURE_TRIES:
         attempt += 1
         try:
@@ -180,19 +181,19 @@ def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, st
     return None, why, memory, attempt
 
 
-def _backward_on(streams: int) -> str:
-    return f"its backward graphs run on {'1 stream' if streams == 1 else f'at most {streams} streams'}"
+def _backward_on(how: str) -> str:
+    return f"its backward graphs run {how}"
 
 
-def _narrow(step: CapturingStep, streams: int | str, why: str) -> int:
+def _narrow(step: CapturingStep, streams: int | str, why: str) -> str:
     """Where the compiled step on ``streams`` ran out of memory, take its backward graphs' multi-stream programs
-    a step down (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return the
-    streams they now run on at most, or 0 where nothing changed (an unfused step, which drops to its one-stream
-    module; no forward graph that would keep streams; nothing left to take down)."""
+    a step down (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return what they
+    run now, in words, or "" where nothing changed (an unfused step, which drops to its one-stream module; no
+    forward graph that would keep streams; nothing left to take down)."""
     backend = step.backends.get(streams) if step.compile else None
-    to = 0 if backend is None else backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})")
+    to = "" if backend is None else backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})")
     if not to:
-        return 0
+        return ""
     if not step.graphs:  # the backward's side streams' cuBLAS workspaces, where no graph replays into them
         compat.clear_cublas_workspaces()
     step.capture_log.fallbacks.append(f"the step with every graph on streams does not fit in memory ({why}); "
