@@ -1,5 +1,5 @@
 """A compiled step's memory and speed by which of its graphs run on streams: every graph, the forward graphs,
-the backward graphs, none.
+the backward graphs, none, and the backward taken down as a step short of memory takes it.
 
     PYTHONPATH=. python -m experiments.plan_memory --out DIR [--networks googlenet inception_v3] [--batch 64]
         [--allocations caller|launching]
@@ -15,7 +15,9 @@ one figure per round) and the reserved MB of its graph pool by stream (the
 caching allocator's segments): how much of a multi-stream step's memory
 each kind of graph costs, and what its streams give back in speed. This is
 what a step under memory pressure chooses between (:mod:`concur.training.capture`
-switches the backward graphs' programs off first). ``--allocations launching``
+takes the backward graphs' programs down first: on 2 streams, then with
+aten's calls on the caller's stream, then off; the subsets "backward on 2"
+and "backward lean" are those steps, the forward keeping its streams). ``--allocations launching``
 makes each buffer on the stream that first uses it, as before concur made
 every buffer a side stream uses first on the caller's stream
 (:func:`concur.inductor.wrapper_emit.caller_allocations`): what that saves.
@@ -26,20 +28,57 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from experiments.memory import breakdown
 from experiments.sweep_models import cuda_setup
 
-SUBSETS: dict[str, Callable[[Any], bool]] = {  # which graphs keep their streams, by CompiledGraphInfo
-    "all": lambda graph: True,
-    "forward": lambda graph: not graph.is_backward,
-    "backward": lambda graph: graph.is_backward,
-    "none": lambda graph: False,
+@dataclass(frozen=True)
+class Subset:
+    """Which graphs run their multi-stream programs: the forward graphs or not, and the backward graphs' program
+    (``BACKWARD_AS_PLACED``: as placed; ``2``: placed again on 2 streams; ``BACKWARD_LEAN``: aten's calls on the
+    caller's stream; None: inductor's own call), as :meth:`ConcurBackend.narrow_plans` takes them down."""
+
+    forward: bool
+    backward: int | str | None
+
+
+BACKWARD_AS_PLACED, BACKWARD_LEAN = "as placed", "aten's calls on the caller's"
+SUBSETS: dict[str, Subset] = {
+    "all": Subset(True, BACKWARD_AS_PLACED),
+    "forward": Subset(True, None),
+    "backward": Subset(False, BACKWARD_AS_PLACED),
+    "none": Subset(False, None),
+    # the steps a step short of memory takes, its forward graphs keeping their streams
+    "backward on 2": Subset(True, 2),
+    "backward lean": Subset(True, BACKWARD_LEAN),
 }
+
+
+def run_subset(subset: Subset, plans: list[tuple[Any, Any]], streams: int) -> None:
+    """Switch each of ``plans`` (``(CompiledGraphInfo, InstalledPlan)``, the step's as placed) to ``subset``.
+
+    ``streams`` is the stream count the step asked for (an int: with
+    ``"auto"`` a graph may have kept fewer): placing a backward again on it
+    gives back the program as placed, after a subset changed it, and the lean
+    step keeps it, as :meth:`ConcurBackend.narrow_plans` does.
+    """
+    for graph, plan in plans:
+        if not graph.is_backward or subset.backward is None or subset.backward == BACKWARD_AS_PLACED:
+            on = subset.forward if not graph.is_backward else subset.backward is not None
+            if on and graph.is_backward and plan.fewer_streams is not None:
+                plan.fewer_streams(streams)  # the program as placed, should an earlier subset have changed it
+            plan.use_streams(on)
+            continue
+        lean = subset.backward == BACKWARD_LEAN
+        placed = plan.fewer_streams(streams if lean else subset.backward, lean=lean) \
+            if plan.fewer_streams is not None else None
+        if placed is None:  # not worth running on streams: inductor's call, as narrow_plans does
+            plan.use_streams(False)
 
 
 def pool_by_stream(segments: dict[str, list[float]]) -> dict[str, float]:
@@ -74,14 +113,14 @@ def measure(network: str, batch: int, rounds: int, steps: int, allocations: str 
         step(*example)
     torch.cuda.synchronize()
     plans = [p for backend in step.backends.values() for p in backend.running_plans()]
+    streams = step.requested_streams  # train_step's default, 4
     row: dict = {"network": network, "batch": batch, "allocations": allocations, "status": str(step.status),
                  "plans": [{"backward": g.is_backward, "streams": g.num_streams, "launches": g.num_launches}
                            for g, _ in plans],
                  "subsets": {name: {"ms": []} for name in SUBSETS}}
     for _ in range(rounds):
-        for name, keeps in SUBSETS.items():
-            for graph, plan in plans:
-                plan.use_streams(keeps(graph))
+        for name, subset in SUBSETS.items():
+            run_subset(subset, plans, streams)
             # a capture of its own in a new pool (the step's internals: this tool measures them)
             step.graphs.clear()
             step._gradients.bound = None
@@ -109,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, required=True, help="the folder of plan_memory.jsonl")
     ap.add_argument("--networks", nargs="+", default=["googlenet", "inception_v3"])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the four subsets")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of the subsets")
     ap.add_argument("--steps", type=int, default=30, help="steps timed per subset and round")
     ap.add_argument("--allocations", choices=ALLOCATIONS, default="caller",
                     help="where the rewritten graphs make the buffers a side stream uses first")

@@ -16,10 +16,36 @@ def test_arguments_and_a_clear_exit_without_a_gpu(monkeypatch, tmp_path):
         plan_memory.main(["--out", str(tmp_path)])
 
 
-def test_each_subset_keeps_the_streams_of_its_kind_of_graph():
+class Plan:
+    """An installed program's switch and re-placement (``InstalledPlan``), keeping what runs: None (inductor's
+    call), or the (streams, lean) it was last placed with."""
+
+    def __init__(self, worth=True):
+        self.running, self.worth, self.placed = (4, False), worth, (4, False)
+
+    def use_streams(self, on):
+        self.running = self.placed if on else None
+
+    def fewer_streams(self, k, lean=False):
+        if not self.worth:
+            return None
+        self.running = self.placed = (k, lean)
+        return object()
+
+
+def test_each_subset_runs_what_it_names_and_the_steps_of_a_step_short_of_memory_come_back_as_placed():
     forward, backward = (CompiledGraphInfo(b, 10, 10, 4, 3, None) for b in (False, True))
-    kept = {name: (keeps(forward), keeps(backward)) for name, keeps in plan_memory.SUBSETS.items()}
-    assert kept == {"all": (True, True), "forward": (True, False), "backward": (False, True), "none": (False, False)}
+    fplan, bplan = Plan(), Plan()
+    ran = {}
+    for name, subset in list(plan_memory.SUBSETS.items()) * 2:  # every subset after every other
+        plan_memory.run_subset(subset, [(forward, fplan), (backward, bplan)], 4)
+        ran[name] = (fplan.running, bplan.running)
+    assert ran == {"all": ((4, False), (4, False)), "forward": ((4, False), None),
+                   "backward": (None, (4, False)), "none": (None, None),
+                   "backward on 2": ((4, False), (2, False)), "backward lean": ((4, False), (4, True))}
+    lone = Plan(worth=False)  # a backward not worth placing again runs inductor's call in the lean step
+    plan_memory.run_subset(plan_memory.SUBSETS["backward lean"], [(backward, lone)], 4)
+    assert lone.running is None
 
 
 def test_the_pool_read_is_the_newest_graph_pools_by_stream():
