@@ -49,9 +49,9 @@ forward and its backward graphs run (``forward_streams``,
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
-memory was short, say). The processes'
-limits together may exceed the GPU's memory with several jobs at large
-batches; a run the driver cannot serve then fails although it fits its limit.
+memory was short, say). The processes' limits together may exceed the GPU's
+memory with several jobs at large batches; a run the driver cannot serve then
+fails although it fits its limit.
 """
 
 from __future__ import annotations

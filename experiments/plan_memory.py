@@ -68,17 +68,15 @@ def run_subset(subset: Subset, plans: list[tuple[Any, Any]], streams: int) -> No
     step keeps it, as :meth:`ConcurBackend.narrow_plans` does.
     """
     for graph, plan in plans:
-        if not graph.is_backward or subset.backward is None or subset.backward == BACKWARD_AS_PLACED:
-            on = subset.forward if not graph.is_backward else subset.backward is not None
-            if on and graph.is_backward and plan.fewer_streams is not None:
-                plan.fewer_streams(streams)  # the program as placed, should an earlier subset have changed it
-            plan.use_streams(on)
-            continue
-        lean = subset.backward == BACKWARD_LEAN
-        placed = plan.fewer_streams(streams if lean else subset.backward, lean=lean) \
-            if plan.fewer_streams is not None else None
-        if placed is None:  # not worth running on streams: inductor's call, as narrow_plans does
-            plan.use_streams(False)
+        if not graph.is_backward or subset.backward is None:
+            plan.use_streams(subset.forward and not graph.is_backward)
+        elif plan.fewer_streams is None:  # no program to place again: the one placed, or inductor's call
+            plan.use_streams(subset.backward == BACKWARD_AS_PLACED)
+        else:  # placed again (as placed too: an earlier subset may have changed it); not worth it: inductor's call
+            lean = subset.backward == BACKWARD_LEAN
+            k = subset.backward if isinstance(subset.backward, int) else streams
+            if plan.fewer_streams(k, lean=lean) is None:
+                plan.use_streams(False)
 
 
 def pool_by_stream(segments: dict[str, list[float]]) -> dict[str, float]:

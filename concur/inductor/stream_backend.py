@@ -333,7 +333,10 @@ class ConcurBackend:
         placeable = any(self._running[i].fewer_streams is not None for i in backward)
         widest = max(self.graphs[i].num_streams for i in backward)
         done = 0 if self._narrowed is None else NARROWING.index(self._narrowed[1]) + 1
-        rung = next(r for r in NARROWING[done:] if r == ONE_STREAM or placeable and (r != TWO_STREAMS or widest > 2))
+        # the next step that changes something: those that place a graph again need a program to place, and
+        # 2 streams a graph on more
+        rung = next(r for r in NARROWING[done:]
+                    if r == ONE_STREAM or (placeable and (r != TWO_STREAMS or widest > 2)))
         self._narrowed = (reason, rung)
         for i in backward:
             self._narrow(i, reason, rung)

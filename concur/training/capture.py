@@ -14,12 +14,13 @@ A capture that fails for another reason than memory is tried once more in
 a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
 programs down, to 2 streams, then with aten's calls on the caller's stream,
-then to one (the step's peak is at the start of backward); where that does not fit, or the step is unfused, it falls back
-to one stream, for this and later input shapes, and then to eager execution,
-with one warning each; what the failed attempt held (its module, graphs, pool
-and cached blocks) is given back first (:func:`capture_with_fallback`). The
-step keeps at most ``max_graphs`` graphs per position of the accumulation
-cycle and evicts the least recently used.
+then to one (the step's peak is at the start of backward); where that does
+not fit, or the step is unfused, it falls back to one stream, for this and
+later input shapes, and then to eager execution, with one warning each; what
+the failed attempt held (its module, graphs, pool and cached blocks) is given
+back first (:func:`capture_with_fallback`). The step keeps at most
+``max_graphs`` graphs per position of the accumulation cycle and evicts the
+least recently used.
 """
 
 from __future__ import annotations
