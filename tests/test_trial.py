@@ -10,13 +10,16 @@ that the run equals the plain loop's throughout.
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import pytest
 import torch
 
 import concur
 import concur.fx.decision as fx_decision
 import concur.training.step as train_mod
-from concur.training import trial as trial_mod
+from concur.training import capture as capture_mod, trial as trial_mod
 from tests.test_step_habits import EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model, plain_loop
 
 
@@ -311,6 +314,82 @@ def test_where_the_predicted_program_alone_does_not_fit_either_the_step_runs_one
     with pytest.warns(UserWarning, match="does not fit in memory .*2.00 GiB"):
         step = trial_run(monkeypatch, OutOfMemoryTwice(one_ms=1.0, streams_ms=1.2))
     assert step.failed_streams == {4} and step.status.streams == 1 and step.status.captured
+    # two towers: the plan asked for on 4 streams runs on 2, so 2 streams would not be narrower
+    assert 2 not in step.modules and step.module is step.modules[1]
+
+
+class OutOfMemoryOn(TrialGraphs):
+    """Every capture of the module on one of ``streams`` (its plans, one stream's too) runs out of memory."""
+
+    def __init__(self, streams, **timing):
+        super().__init__(**timing)
+        self.out_of_memory_on, self.tried = set(streams), []
+
+    def capture(self, body, step):
+        module = step.module
+        asked = next(s for s, m in step.modules.items() if m is module)
+        self.tried.append(asked)
+        if asked in self.out_of_memory_on:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {asked}.00 MiB")
+        return super().capture(body, step)
+
+
+def test_an_unfused_step_on_4_streams_that_does_not_fit_runs_2_streams_and_times_them_on_its_first_calls(
+        monkeypatch):
+    """Side streams keep their blocks apart, so 2 streams may fit where 4 do not: the step tries 2 before 1,
+    times its 2-stream program against one stream on its first calls as it would have the 4, and keeps it.
+    One warning says what 4 streams missed and what runs; the run equals the plain loop."""
+    runner = OutOfMemoryOn({4}, one_ms=1.0, streams_ms=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = trial_run(monkeypatch, runner, model_fn=four_towers, n=40)
+    said = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+    assert said == ["concur.train_step: the step on 4 streams does not fit in memory (an allocation of 4.00 MiB "
+                    "did not fit); running it on 2 streams instead, for this and later input shapes."], said
+    assert set(runner.tried) == {4, 2} and step.failed_streams == {4} and 4 not in step.modules
+    assert step.module is step.modules[2] and step.module.plan.schedule.num_streams == 2
+    four, two = step.step_decisions  # the 4-stream plan by prediction (its capture failed), then the 2's timed
+    assert four.source == "prediction" and two.source == "measurement" and two.keep
+    status = step.status
+    assert status.captured and status.streams == 2 and "4 streams does not fit in memory" in status.why
+    assert "2 streams of 4 asked for" in str(status)
+
+
+def test_where_2_streams_do_not_fit_either_the_step_runs_one_and_one_warning_says_what_each_missed(monkeypatch):
+    runner = OutOfMemoryOn({4, 2}, one_ms=1.0, streams_ms=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = trial_run(monkeypatch, runner, model_fn=four_towers)
+    (said,) = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+    assert "4 streams does not fit in memory (an allocation of 4.00 MiB" in said
+    assert "2 streams does not fit in memory (an allocation of 2.00 MiB" in said
+    assert said.endswith("running it on 1 stream instead, for this and later input shapes.")
+    assert step.failed_streams == {4, 2} and step.status.streams == 1 and step.module is step.modules[1]
+    assert runner.tried[-1] == 1
+
+
+def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_to_one_stream(monkeypatch):
+    """Fewer side streams would not help a failure memory does not explain: no attempt on 2."""
+    class Invalidated(OutOfMemoryOn):
+        def capture(self, body, step):
+            if step.module is step.modules.get(4):
+                self.tried.append(4)
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().capture(body, step)
+
+    runner = Invalidated({4}, one_ms=1.0, streams_ms=0.8)
+    with pytest.warns(UserWarning, match="capturing the step on 4 streams failed 2 times"):
+        step = trial_run(monkeypatch, runner, model_fn=four_towers)
+    assert 2 not in runner.tried and step.failed_streams == {4} and step.status.streams == 1
+
+
+@pytest.mark.parametrize("asked, compiled, rungs", [
+    (4, False, [4, 2, 1]), (3, False, [3, 2, 1]), ("auto", False, ["auto", 2, 1]), (2, False, [2, 1]),
+    (1, False, [1]), (4, True, [4, 1]), ("auto", True, ["auto", 1])])
+def test_the_stream_counts_a_step_tries_where_memory_runs_out(asked, compiled, rungs):
+    """A compiled step narrows its backward in the same module instead: a new stream count would compile again."""
+    step = types.SimpleNamespace(requested_streams=asked, compile=compiled)
+    assert capture_mod.stream_rungs(step) == rungs
 
 
 def test_a_new_plan_after_the_model_changed_is_timed_on_the_calls_after_it(monkeypatch):

@@ -14,11 +14,12 @@ A capture that fails for another reason than memory is tried once more in
 a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
 programs down, to 2 streams, then with aten's calls on the caller's stream,
-then to one (the step's peak is at the start of backward); where that does
-not fit, or the step is unfused, it falls back to one stream, for this and
-later input shapes, and then to eager execution, with one warning each; what
-the failed attempt held (its module, graphs, pool and cached blocks) is given
-back first (:func:`capture_with_fallback`). The step keeps at most
+then to one (the step's peak is at the start of backward); an unfused step
+on more than 2 streams tries 2. Where that does not fit, it falls back to
+one stream, for this and later input shapes, and then to eager execution;
+one warning says what was missing and what runs instead. What the failed
+attempt held (its module, graphs, pool and cached blocks) is given back
+first (:func:`capture_with_fallback`). The step keeps at most
 ``max_graphs`` graphs per position of the accumulation cycle and evicts the
 least recently used.
 """
@@ -45,7 +46,7 @@ from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
 from concur.training.trial import StepTrial
 
-__all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
+__all__ = ["CapturingStep", "capture_with_fallback", "stream_rungs", "capture", "capture_programs", "graph_limit"]
 
 
 class CapturingStep(Protocol):
@@ -101,22 +102,30 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     what it held is given back. One that runs out of memory is not: a
     compiled step first takes its backward graphs' multi-stream programs
     down a step at a time, capturing again after each (:func:`_capture_on`);
-    where that does not fit either, or the step is unfused, it drops to one
-    stream, for this and later input shapes, with one warning that says how
-    much memory was missing. Eager execution is the last resort, with a
-    warning that says why and how to capture again.
+    an unfused step on more than 2 streams tries 2 (:func:`stream_rungs`).
+    Where that does not fit either, the step drops to one stream. Each stream
+    count that failed is not tried again, for this and later input shapes;
+    one warning says how much memory was missing and what runs instead.
+    Eager execution is the last resort, with a warning that says why and how
+    to capture again.
     """
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
     log = step.capture_log
-    attempts = [s for s in dict.fromkeys([step.requested_streams, 1]) if s not in step.failed_streams]
-    why = ""
-    for streams in attempts:
+    missed: list[str] = []  # what each stream count out of memory missed, in the order tried
+    why, widest = "", None
+    for streams in stream_rungs(step):
+        if streams in step.failed_streams or (streams != 1 and widest is not None and streams >= widest):
+            continue  # failed before; or no narrower than the program that just did not fit
         captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
+            if missed:
+                step._warn_once(f"concur.train_step: {'; '.join(missed)}; running it on {_streams(streams)} "
+                                "instead, for this and later input shapes.")
             _keep(step, key, captured)
             return captured
         if streams == 1:
             break
+        widest = _program_width(step, streams)
         # free the module (and the compiled code) that did not fit or cannot be captured
         step.failed_streams.add(streams)
         step.modules.pop(streams, None)
@@ -124,17 +133,47 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         step._runner.failed()
         if not step.graphs:  # the side streams' cuBLAS workspaces, where no graph replays into them
             compat.clear_cublas_workspaces()
-        fallback = (f"the step on {streams} streams does not fit in memory ({why})" if memory else
-                    f"capturing the step on {streams} streams failed {attempt} times ({why})")
+        on = _streams(widest or streams)
+        fallback = (f"the step on {on} does not fit in memory ({why})" if memory else
+                    f"capturing the step on {on} failed {attempt} times ({why})")
         log.fallbacks.append(fallback)
-        step._warn_once(f"concur.train_step: {fallback}; running it on 1 stream instead, for this and later "
-                        "input shapes.")
+        missed.append(fallback)
+        if not memory:
+            widest = 2  # a failure memory does not explain: fewer side streams would not help, one stream may
     log.fallbacks.append(f"capturing the step on 1 stream failed ({why})")
-    step._warn_once(f"concur.train_step: capturing the step on 1 stream failed ({why}); this input shape runs "
-                    "eagerly, every kernel launched from Python (slower). Once the cause is gone (memory freed, "
-                    "a smaller batch), step.recapture() captures again at the next call.")
+    step._warn_once(f"concur.train_step: {''.join(m + '; ' for m in missed)}capturing the step on 1 stream failed "
+                    f"({why}); this input shape runs eagerly, every kernel launched from Python (slower). Once the "
+                    "cause is gone (memory freed, a smaller batch), step.recapture() captures again at the next "
+                    "call.")
     step.eager_keys.add(key)
     return None
+
+
+def stream_rungs(step: CapturingStep) -> list[int | str]:
+    """The stream counts ``step`` tries in turn, where a capture runs out of memory: the one asked for, then
+    2 for an unfused step asked for more (or ``"auto"``), then 1.
+
+    Each side stream keeps the blocks it allocated apart from the others
+    (the caching allocator gives a block back only to its own stream), so
+    two streams need less than four. A compiled step does not take this
+    rung: it takes its backward graphs down in the same compiled module
+    (:func:`_narrow`), where a new stream count would compile the model again.
+    """
+    asked = step.requested_streams
+    wider = not step.compile and (asked == "auto" or (isinstance(asked, int) and asked > 2))
+    return list(dict.fromkeys([asked, *([2] if wider else []), 1]))
+
+
+def _program_width(step: CapturingStep, streams: int | str) -> int | None:
+    """How many streams the unfused module on ``streams`` ran (an ``"auto"`` module picks its own), where known."""
+    try:
+        return step.modules[streams].schedule.num_streams
+    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
+        return streams if isinstance(streams, int) else None
+
+
+def _streams(n: int | str) -> str:
+    return "1 stream" if n == 1 else f"{n} streams" if isinstance(n, int) else f"streams={n!r}"  # "auto", unplanned
 
 
 def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,

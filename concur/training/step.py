@@ -51,7 +51,7 @@ from concur.training import captured_optim
 from concur.training.arguments import as_tuple as _as_tuple, check_arguments, check_optimizer, check_streams, \
     make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
-from concur.training.capture import capture_with_fallback
+from concur.training.capture import capture_with_fallback, stream_rungs
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
@@ -230,8 +230,10 @@ class TrainStep:
 
     @property
     def module(self) -> nn.Module:
-        """The concurrent module with the requested stream count."""
-        return self._module(self.requested_streams)
+        """The concurrent module the step runs: the requested stream count's, or, where that did not fit in
+        memory or could not be captured, the count it fell back to (:func:`concur.training.capture.stream_rungs`)."""
+        ran = [s for s in stream_rungs(self) if s not in self.failed_streams and s in self.modules]
+        return self._module(ran[0] if ran else self.requested_streams)
 
     def _module(self, streams: int | str) -> nn.Module:
         if streams not in self.modules:
@@ -372,7 +374,8 @@ class TrainStep:
         if rounds is None:
             return
         self._trial = None
-        self.step_decisions.append(self.modules[self.requested_streams].settle(rounds))
+        # the module that started the trial: the one asked for, or fewer streams where that did not fit
+        self.step_decisions.append(self.modules[trial.programs[0].streams].settle(rounds))
         self.graphs.clear()
         self._gradients.bound = None
         self._runner.new_pool()
