@@ -16,8 +16,10 @@ caching allocator's segments): how much of a multi-stream step's memory
 each kind of graph costs, and what its streams give back in speed. This is
 what a step under memory pressure chooses between (:mod:`concur.training.capture`
 takes the backward graphs' programs down first: on 2 streams, then with
-aten's calls on the caller's stream, then off; the subsets "backward on 2"
-and "backward lean" are those steps, the forward keeping its streams). ``--allocations launching``
+aten's calls on the caller's stream, still on 2, then off; the subsets
+"backward on 2" and "backward lean" are those steps, the forward keeping its
+streams, and "backward lean on all" the lean step on the step's own streams).
+``--allocations launching``
 makes each buffer on the stream that first uses it, as before concur made
 every buffer a side stream uses first on the caller's stream
 (:func:`concur.inductor.wrapper_emit.caller_allocations`): what that saves.
@@ -40,14 +42,16 @@ from experiments.sweep_models import cuda_setup
 @dataclass(frozen=True)
 class Subset:
     """Which graphs run their multi-stream programs: the forward graphs or not, and the backward graphs' program
-    (``BACKWARD_AS_PLACED``: as placed; ``2``: placed again on 2 streams; ``BACKWARD_LEAN``: aten's calls on the
-    caller's stream; None: inductor's own call), as :meth:`ConcurBackend.narrow_plans` takes them down."""
+    (``BACKWARD_AS_PLACED``: as placed; an int: placed again on that many streams, ``ASKED`` on the step's;
+    None: inductor's own call), with aten's calls on the caller's stream where ``lean``, as
+    :meth:`ConcurBackend.narrow_plans` takes them down."""
 
     forward: bool
     backward: int | str | None
+    lean: bool = False
 
 
-BACKWARD_AS_PLACED, BACKWARD_LEAN = "as placed", "aten's calls on the caller's"
+BACKWARD_AS_PLACED, ASKED = "as placed", "asked"
 SUBSETS: dict[str, Subset] = {
     "all": Subset(True, BACKWARD_AS_PLACED),
     "forward": Subset(True, None),
@@ -55,7 +59,9 @@ SUBSETS: dict[str, Subset] = {
     "none": Subset(False, None),
     # the steps a step short of memory takes, its forward graphs keeping their streams
     "backward on 2": Subset(True, 2),
-    "backward lean": Subset(True, BACKWARD_LEAN),
+    "backward lean": Subset(True, 2, lean=True),
+    # lean on the step's streams: what the lean step would hold and give on more than 2
+    "backward lean on all": Subset(True, ASKED, lean=True),
 }
 
 
@@ -64,8 +70,7 @@ def run_subset(subset: Subset, plans: list[tuple[Any, Any]], streams: int) -> No
 
     ``streams`` is the stream count the step asked for (an int: with
     ``"auto"`` a graph may have kept fewer): placing a backward again on it
-    gives back the program as placed, after a subset changed it, and the lean
-    step keeps it, as :meth:`ConcurBackend.narrow_plans` does.
+    gives back the program as placed, after a subset changed it.
     """
     for graph, plan in plans:
         if not graph.is_backward or subset.backward is None:
@@ -73,9 +78,8 @@ def run_subset(subset: Subset, plans: list[tuple[Any, Any]], streams: int) -> No
         elif plan.fewer_streams is None:  # no program to place again: the one placed, or inductor's call
             plan.use_streams(subset.backward == BACKWARD_AS_PLACED)
         else:  # placed again (as placed too: an earlier subset may have changed it); not worth it: inductor's call
-            lean = subset.backward == BACKWARD_LEAN
             k = subset.backward if isinstance(subset.backward, int) else streams
-            if plan.fewer_streams(k, lean=lean) is None:
+            if plan.fewer_streams(k, lean=subset.lean) is None:
                 plan.use_streams(False)
 
 

@@ -7,7 +7,7 @@ channels-last and every graph that can be is put on 4 streams
 (``min_predicted_speedup=1.0``), so the sanitizer sees the streams the plan
 uses; with ``--narrowed N`` the backward graphs' programs are then taken
 down N steps, as where the step did not fit in memory
-(``ConcurBackend.narrow_plans``: 1, on 2 streams; 2, aten's calls on the
+(``ConcurBackend.narrow_plans``: 1, on 2 streams; 2, on 2 with aten's calls on the
 caller's stream). CSAN cannot be switched off once on, so the GPU tests run this in a
 subprocess.
 """
@@ -38,7 +38,7 @@ def main() -> None:
     reuse.add_argument("--ordered-reuse", action="store_true", help='buffer_reuse="ordered"')
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--narrowed", type=int, default=0, metavar="STEPS",
-                   help="the backward graphs taken down STEPS steps (1: on 2 streams; 2: aten's calls on the caller's)")
+                   help="the backward graphs taken down STEPS steps (1: on 2 streams; 2: on 2, aten's calls on the caller's)")
     a = p.parse_args()
     make, size, batch = FUSED_MODELS[a.model]
     torch.manual_seed(0)

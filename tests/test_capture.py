@@ -301,15 +301,15 @@ def test_a_compiled_step_whose_backward_on_two_streams_still_does_not_fit_keeps_
     fewer = FewerStreams()
     runner = FailingGraphs([oom("20.00"), oom("170.00")])
     step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
-    assert fewer.asked == [2, (4, True)] and switches[True].on and switches[False].on and made == [4]
+    assert fewer.asked == [2, (2, True)] and switches[True].on and switches[False].on and made == [4]
     (warning,) = said  # what the last attempt missed, as the status says
-    assert "backward graphs run on at most 4 streams, aten's calls on the caller's" in warning
+    assert "backward graphs run on at most 2 streams, aten's calls on the caller's" in warning
     assert "170.00 MiB" in warning and "170.00 MiB" in step.status.why and "aten's calls" in step.status.why
 
     fewer = FewerStreams()
     runner = FailingGraphs([oom("20.00"), oom("170.00"), oom("120.00")])
     step, said, switches, made = compiled_run(monkeypatch, runner, make_batches(4), streams=4, fewer=fewer)
-    assert fewer.asked == [2, (4, True)] and not switches[True].on and switches[False].on and made == [4]
+    assert fewer.asked == [2, (2, True)] and not switches[True].on and switches[False].on and made == [4]
     forward, backward = step.backends[4].graphs
     assert (forward.num_streams, backward.num_streams) == (4, 1) and backward.decided_by == "memory"
     (warning,) = said
@@ -423,9 +423,9 @@ def test_narrowing_plans_steps_a_backward_down_to_two_streams_then_aten_on_the_c
     assert backend.graphs[wide].decided_by == "memory" and backend.graphs[narrow].decided_by == ""
     later = install(True)
     assert fewer[later].asked == [2] and backend.graphs[later].num_streams == 2
-    assert backend.narrow_plans("again") == "on at most 4 streams, aten's calls on the caller's"
-    assert [fewer[r].asked[-1] for r in (wide, narrow, later)] == [(4, True)] * 3 and all(running.values())
-    assert install(True) and fewer[max(running)].asked == [(4, True)], "compiled after: the same step at once"
+    assert backend.narrow_plans("again") == "on at most 2 streams, aten's calls on the caller's"
+    assert [fewer[r].asked[-1] for r in (wide, narrow, later)] == [(2, True)] * 3 and all(running.values())
+    assert install(True) and fewer[max(running)].asked == [(2, True)], "compiled after: the same step at once"
     assert backend.narrow_plans("once more") == "on 1 stream"
     assert running == {fwd: True, wide: False, narrow: False, later: False, max(running): False}
     assert backend.narrow_plans("nothing left") == ""

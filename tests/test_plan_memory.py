@@ -42,7 +42,8 @@ def test_each_subset_runs_what_it_names_and_the_steps_of_a_step_short_of_memory_
         ran[name] = (fplan.running, bplan.running)
     assert ran == {"all": ((4, False), (4, False)), "forward": ((4, False), None),
                    "backward": (None, (4, False)), "none": (None, None),
-                   "backward on 2": ((4, False), (2, False)), "backward lean": ((4, False), (4, True))}
+                   "backward on 2": ((4, False), (2, False)), "backward lean": ((4, False), (2, True)),
+                   "backward lean on all": ((4, False), (4, True))}
     lone = Plan(worth=False)  # a backward not worth placing again runs inductor's call in the lean step
     plan_memory.run_subset(plan_memory.SUBSETS["backward lean"], [(backward, lone)], 4)
     assert lone.running is None

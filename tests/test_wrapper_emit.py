@@ -648,11 +648,13 @@ def test_real_graphs_allocate_every_buffer_a_side_stream_touches_first_on_the_ca
     assert plan.num_launches == plain.num_launches and plan.num_waits == plain.num_waits
 
 
+@pytest.mark.parametrize("streams", [2, 4])
 @pytest.mark.parametrize("graph", ["googlenet_bf16_cl_bwd", "inception_v3_bf16_cl_bwd"])
-def test_real_backwards_with_their_aten_calls_on_the_callers_stream_leave_nothing_to_allocate_on_a_side_stream(graph):
-    """The step a backward takes where memory is short (ConcurBackend.narrow_plans): every launch that allocates
-    on its own stream (aten's calls: convolutions, their workspaces) on the caller's stream, buffers made there
-    too, so no side stream keeps a block; inductor's kernels still run beside them."""
+def test_real_backwards_with_their_aten_calls_on_the_callers_stream_leave_nothing_to_allocate_on_a_side_stream(
+        graph, streams):
+    """The step a backward takes where memory is short (ConcurBackend.narrow_plans, on 2 streams): every launch
+    that allocates on its own stream (aten's calls: convolutions, their workspaces) on the caller's stream,
+    buffers made there too, so no side stream keeps a block; inductor's kernels still run beside them."""
     import schedulers
     from concur.dag import decide
     from concur.inductor.wrapper_parse import source_namespace
@@ -663,7 +665,7 @@ def test_real_backwards_with_their_aten_calls_on_the_callers_stream_leave_nothin
     dag = launch_dag(program, {}, 1.0)
     allocating = {s.index for s in program.launches if s.allocates}
     assert allocating and any(not s.allocates for s in program.launches)
-    schedule = decide.schedule_graph(dag, 4, "critical_path", 2.0)
+    schedule = decide.schedule_graph(dag, streams, "critical_path", 2.0)
     assert any(schedule.stream[v] for v in allocating), "the plan would run aten calls on side streams"
     lean = schedulers.on_caller(dag, schedule, allocating)
     assert lean.num_streams > 1 and schedulers.validate(dag, lean) == []

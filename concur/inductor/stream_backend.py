@@ -314,11 +314,12 @@ class ConcurBackend:
         graphs keep their streams. The steps, each one only where it changes
         something: a backward graph on more than 2 streams is placed again on
         2 (one side stream, beside the caller's, allocates what aten makes
-        itself and keeps a workspace); then every launch that allocates on its
-        own stream (aten's calls: convolutions, their workspaces) goes to the
-        caller's stream and only inductor's kernels, which write buffers made
-        on the caller's stream, run on side streams, so that no side stream
-        keeps blocks of its own; then inductor's own call. A graph whose
+        itself and keeps a workspace); then, still on 2, every launch that
+        allocates on its own stream (aten's calls: convolutions, their
+        workspaces) goes to the caller's stream and only inductor's kernels,
+        which write buffers made on the caller's stream, run on the side
+        stream, so that it keeps no blocks of its own; then inductor's own
+        call. A graph whose
         schedule at a step is predicted no faster than one stream runs
         inductor's call at once. Nothing recompiles. Backward graphs compiled
         later (a new input shape) get the same at once. Returns "", changing
@@ -354,8 +355,10 @@ class ConcurBackend:
             return
         fewer = None
         if rung != ONE_STREAM and plan.fewer_streams is not None:
-            fewer = plan.fewer_streams(2) if rung == TWO_STREAMS else \
-                plan.fewer_streams(max(decide.stream_counts(self.options.streams)), lean=True)
+            # lean on 2 too: on more, the caller's stream holds more than on one (on the H200, Inception-v3 b64's
+            # backward, lean on 4, missed what it fitted on 1), since a buffer a side stream reads lives until
+            # that stream is done with it and inductor's reuse of it is made fresh
+            fewer = plan.fewer_streams(2, lean=rung == LEAN)
         if fewer is None:
             self._switch_off([record], reason, "memory")
             return
