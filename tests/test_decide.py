@@ -295,3 +295,35 @@ def test_a_decision_timed_beside_other_processes_is_stored_to_read_but_timed_aga
     decide.decide("g", FAST, timer=quiet, cache=cache, key="k")
     assert "other_processes" not in cache.entries["k"]
     assert decide.decide("g", FAST, timer=quiet, cache=cache, key="k").source == "cache" and quiet.calls == 1
+
+
+@pytest.mark.parametrize("scheduler", ["critical_path", "fork"])
+@pytest.mark.parametrize("cluster_cost_us", [None, 0.0])
+def test_one_stream_runs_the_programs_own_order_whatever_the_scheduler(scheduler, cluster_cost_us):
+    """A list schedule on one stream runs the longest path first and interleaves the branches; the program's
+    order keeps a kernel beside the one that made its input (in L2), as eager PyTorch and inductor run it."""
+    import schedulers
+    from schedulers.schedule import insertion_order
+
+    dag = nx.DiGraph([("a", "b1"), ("b1", "b2"), ("b2", "d"), ("a", "c1"), ("c1", "c2"), ("c2", "d")])
+    nx.set_node_attributes(dag, {"a": 1, "b1": 2, "b2": 2, "c1": 9, "c2": 9, "d": 1}, "cost")
+    assert schedulers.schedule(dag, 1, "critical_path").order != tuple(insertion_order(dag)), "interleaved"
+    one = decide.schedule_graph(dag, 1, scheduler, cluster_cost_us)
+    assert one.order == tuple(insertion_order(dag)) == ("a", "b1", "b2", "c1", "c2", "d")
+    assert one.num_streams == 1 and one.waits == ()
+
+
+def test_the_one_stream_plan_of_a_branchy_model_follows_its_trace():
+    import concur
+
+    class Towers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.short = torch.nn.Linear(4, 4)
+            self.long = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+
+        def forward(self, x):
+            return self.short(x).relu() + self.long(x)
+
+    module = concur.optimize(Towers(), (torch.randn(2, 4),), streams=1)
+    assert module.schedule.scheduler == "serial" and module.schedule.num_streams == 1
