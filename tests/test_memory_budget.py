@@ -3,6 +3,7 @@ budget the plan keeps to (concur.dag.memory_budget), on CPU against the plan sch
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -81,7 +82,7 @@ def test_an_eval_plan_keeps_its_streams_memory_within_the_budget(monkeypatch):
     assert peak_bytes(scheduled, free.order, free.stream) > budget
     plan = concur.optimize(model, (x,), streams=2, measure=False).plan
     assert peak_bytes(scheduled, plan.schedule.order, plan.schedule.stream) <= budget
-    monkeypatch.setattr("concur.fx.module.plan_budget", lambda dag, device: None)
+    monkeypatch.setattr("concur.fx.module.plan_budget", lambda dag, device, factor: None)
     unbounded = concur.optimize(model, (x,), streams=2, measure=False).plan
     assert peak_bytes(scheduled, unbounded.schedule.order, unbounded.schedule.stream) > budget
 
@@ -132,3 +133,39 @@ def test_recording_which_outputs_are_saved_keeps_no_model_alive():
     del gm, model, out
     gc.collect()
     assert gone() is None, "the traced model outlived its annotation"
+
+
+def test_a_budget_of_one_streams_memory_limits_concurrency_near_the_peak_and_keeps_it_elsewhere():
+    """A held stem and two branches joined at the end (MiB): beside each other within 1.05x, the second branch's
+    last op goes back to the caller's stream within 1.0x, its first op keeps the side stream."""
+    import networkx as nx
+
+    mib = 1 << 20
+    dag = nx.DiGraph([("a", "b1"), ("b1", "b2"), ("b2", "d"), ("a", "c1"), ("c1", "c2"), ("c2", "d")])
+    nx.set_node_attributes(dag, {"a": 1, "b1": 5, "b2": 5, "c1": 5, "c2": 5, "d": 1}, "cost")
+    nx.set_node_attributes(dag, {"a": 400 * mib, "d": 4 * mib, **{v: 12 * mib for v in ("b1", "b2", "c1", "c2")}},
+                           "bytes")
+    nx.set_node_attributes(dag, {"a": True}, "held")
+    one = dag_memory.one_stream_peak(dag)
+    loose, tight = (decide.schedule_graph(dag, 2, "critical_path",
+                                          memory_budget=dag_memory.plan_budget(dag, None, f)) for f in (1.05, 1.0))
+    assert peak_bytes(dag, loose.order, loose.stream) > one + dag_memory.FLOOR >= \
+        peak_bytes(dag, tight.order, tight.stream)
+    assert (loose.stream["c1"], loose.stream["c2"]) == (1, 1) and (tight.stream["c1"], tight.stream["c2"]) == (1, 0)
+
+
+def test_optimize_plans_within_the_memory_factor_it_is_given(monkeypatch):
+    factors = []
+
+    def budget(dag, device, factor):
+        factors.append(factor)
+        return None
+
+    monkeypatch.setattr("concur.fx.module.plan_budget", budget)
+    x = torch.randn(8, 16)
+    concur.optimize(TwoTowers().eval(), (x,), streams=2, measure=False)
+    concur.optimize(TwoTowers().eval(), (x,), streams=2, measure=False, memory_factor=1.0)
+    assert factors == [dag_memory.FACTOR, 1.0]
+    for bad in (0.9, "1.0", True, float("nan")):
+        with pytest.raises(ValueError, match="memory_factor must be a number >= 1.0"):
+            concur.optimize(TwoTowers().eval(), (x,), memory_factor=bad)
