@@ -3,7 +3,6 @@ budget the plan keeps to (concur.dag.memory_budget), on CPU against the plan sch
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -82,7 +81,7 @@ def test_an_eval_plan_keeps_its_streams_memory_within_the_budget(monkeypatch):
     assert peak_bytes(scheduled, free.order, free.stream) > budget
     plan = concur.optimize(model, (x,), streams=2, measure=False).plan
     assert peak_bytes(scheduled, plan.schedule.order, plan.schedule.stream) <= budget
-    monkeypatch.setattr("concur.fx.module.plan_budget", lambda dag, device, factor: None)
+    monkeypatch.setattr("concur.fx.module.plan_budget", lambda dag, device: None)
     unbounded = concur.optimize(model, (x,), streams=2, measure=False).plan
     assert peak_bytes(scheduled, unbounded.schedule.order, unbounded.schedule.stream) > budget
 
@@ -152,20 +151,3 @@ def test_a_budget_of_one_streams_memory_limits_concurrency_near_the_peak_and_kee
     assert peak_bytes(dag, loose.order, loose.stream) > one + dag_memory.FLOOR >= \
         peak_bytes(dag, tight.order, tight.stream)
     assert (loose.stream["c1"], loose.stream["c2"]) == (1, 1) and (tight.stream["c1"], tight.stream["c2"]) == (1, 0)
-
-
-def test_optimize_plans_within_the_memory_factor_it_is_given(monkeypatch):
-    factors = []
-
-    def budget(dag, device, factor):
-        factors.append(factor)
-        return None
-
-    monkeypatch.setattr("concur.fx.module.plan_budget", budget)
-    x = torch.randn(8, 16)
-    concur.optimize(TwoTowers().eval(), (x,), streams=2, measure=False)
-    concur.optimize(TwoTowers().eval(), (x,), streams=2, measure=False, memory_factor=1.0)
-    assert factors == [dag_memory.FACTOR, 1.0]
-    for bad in (0.9, "1.0", True, float("nan")):
-        with pytest.raises(ValueError, match="memory_factor must be a number >= 1.0"):
-            concur.optimize(TwoTowers().eval(), (x,), memory_factor=bad)

@@ -19,7 +19,7 @@ from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.dag.calibration import calibration_for
 from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import can_time
-from concur.dag.memory_budget import FACTOR, plan_budget
+from concur.dag.memory_budget import plan_budget
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.trace import AUTO_LEAVES_META, LeafSpec
 from concur.fx.decision import PendingChoice, decision_key, plan_timer
@@ -64,12 +64,12 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                  cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False,
-                 measure: bool | str = True, memory_factor: float = FACTOR):
+                 measure: bool | str = True):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
                                  else tuple(leaf_modules), split_weight_grads=split_weight_grads,
-                                 measure=measure, memory_factor=memory_factor))
+                                 measure=measure))
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
@@ -124,7 +124,7 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         traced, dag = analyse(self.original, inputs, o["cost_model"], o["leaf_modules"])
         self._adopt_constants(traced)
         prologue, scheduled = split_prologue(dag)
-        budget = plan_budget(scheduled, cuda_device(self.original, inputs), o.get("memory_factor", FACTOR))
+        budget = plan_budget(scheduled, cuda_device(self.original, inputs))
         schedules = decide.distinct_schedules(scheduled, decide.stream_counts(o["streams"]), o["scheduler"],
                                               memory_budget=budget)
         candidates = [s for s in schedules if s.num_streams > 1]
@@ -273,7 +273,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
              leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
-             measure: bool | str = True, memory_factor: float = FACTOR) -> nn.Module:
+             measure: bool | str = True) -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -302,14 +302,6 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     faster than one stream), else the fewest streams predicted within 3% of
     the best.
 
-    ``memory_factor`` bounds what a plan's streams may add to the one-stream
-    program's memory, by the plan's own model of each stream's live bytes
-    (:mod:`concur.dag.memory_budget`): a multi-stream plan may need at most
-    that many times the one-stream program's peak, and never more than the
-    device has free. 1.0 keeps side streams only where the model says they
-    add nothing (and a few allocator segments); :func:`concur.train_step`
-    builds such a plan where the streams asked for did not fit.
-
     ``split_weight_grads=True`` runs the weight (and bias) gradients of plain
     ``nn.Conv2d`` and ``nn.Linear`` layers on one more, low-priority stream in
     backward, off the critical path, through autograd itself
@@ -324,15 +316,12 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if measure not in (True, False, DEFERRED):
         raise ValueError(f"measure must be True, False or {DEFERRED!r}, got {measure!r}")
-    if isinstance(memory_factor, bool) or not isinstance(memory_factor, (int, float)) or not memory_factor >= 1:
-        raise ValueError(f"memory_factor must be a number >= 1.0 (the one-stream program must fit its own "
-                         f"budget), got {memory_factor!r}")
     example_inputs = _check_inputs(model, example_inputs, streams)
     if scheduler not in schedulers.SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
     try:
         return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads,
-                            measure, memory_factor)
+                            measure)
     except CaptureError as exc:
         if fallback == "eager":
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",

@@ -45,7 +45,6 @@ import torch.nn as nn
 from concur import _torch_compat as compat
 from concur.dag import decide
 from concur.dag.annotate import cuda_device_in, tensors_in
-from concur.dag.memory_budget import FACTOR
 from concur.fx import module as api
 from concur.inductor.stream_backend import ConcurBackend, backend
 from concur.training import captured_optim
@@ -245,15 +244,11 @@ class TrainStep:
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
                 # the runs that annotate and time the plan: on setup's stream, in the step's precision
-                # fewer streams than asked for are built only where those did not fit in memory: then within
-                # the one-stream program's memory, by the plan's model (the measured pools need more still)
-                fewer = streams not in (self.requested_streams, 1)
                 with self.setup_stream(), self._body.autocast(self._example):
                     self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
                                                          scheduler=self.scheduler,
                                                          split_weight_grads=self.split_weight_grads,
-                                                         measure=api.DEFERRED if self._can_trial() else True,
-                                                         memory_factor=1.0 if fewer else FACTOR)
+                                                         measure=api.DEFERRED if self._can_trial() else True)
         return self.modules[streams]
 
     def _can_trial(self) -> bool:
