@@ -319,13 +319,12 @@ class ConcurBackend:
         workspaces) goes to the caller's stream and only inductor's kernels,
         which write buffers made on the caller's stream, run on the side
         stream, so that it keeps no blocks of its own; then inductor's own
-        call. A graph whose
-        schedule at a step is predicted no faster than one stream runs
-        inductor's call at once. Nothing recompiles. Backward graphs compiled
-        later (a new input shape) get the same at once. Returns "", changing
-        nothing, where no forward graph would keep streams: then the step
-        needs what one compiled for one stream needs, and what this module
-        holds is better given back with it.
+        call. A graph whose schedule at a step is predicted no faster than
+        one stream runs inductor's call at once. Nothing recompiles. Backward
+        graphs compiled later (a new input shape) get the same at once.
+        Returns "", changing nothing, where no forward graph would keep
+        streams: then the step needs what one compiled for one stream needs,
+        and what this module holds is better given back with it.
         """
         forward = [i for i in self._running if not self.graphs[i].is_backward]
         backward = [i for i in self._running if self.graphs[i].is_backward]

@@ -155,9 +155,11 @@ def stream_rungs(step: CapturingStep) -> list[int | str]:
 
     Each side stream keeps the blocks it allocated apart from the others
     (the caching allocator gives a block back only to its own stream), so
-    two streams need less than four. A compiled step does not take this
-    rung: it takes its backward graphs down in the same compiled module
-    (:func:`_narrow`), where a new stream count would compile the model again.
+    two streams need less than four. The rung is skipped where the program
+    that did not fit ran on 2 streams already (an ``"auto"`` plan, a network
+    of two branches). A compiled step does not take it: it takes its
+    backward graphs down in the same compiled module (:func:`_narrow`), where
+    a new stream count would compile the model again.
     """
     asked = step.requested_streams
     wider = not step.compile and (asked == "auto" or (isinstance(asked, int) and asked > 2))
