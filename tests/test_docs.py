@@ -296,3 +296,22 @@ def test_the_architecture_page_names_every_module():
                if p.name not in ("__init__.py", "__main__.py") or p.parent == package}
     assert modules - rows == set(), f"modules without a row in docs/architecture.md: {sorted(modules - rows)}"
     assert rows - modules == set(), f"rows for modules that are gone: {sorted(rows - modules)}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc extension (mkdocs) gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_every_link_to_a_heading_of_the_same_page_finds_it():
+    """mkdocs --strict (CI's docs step) refuses a link to an anchor no heading makes; a heading renamed for a new
+    message's key phrase moves its anchor."""
+    assert _slug("### `does not fit in memory` · `capturing the step on`"[4:]) == \
+        "does-not-fit-in-memory-capturing-the-step-on"
+    broken = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        text = page.read_text()
+        anchors = {_slug(line.lstrip("#")) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+        broken += [f"{page.relative_to(ROOT)}: #{a}" for a in re.findall(r"\]\(#([^)]+)\)", text) if a not in anchors]
+    assert not broken, broken
