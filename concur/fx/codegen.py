@@ -100,3 +100,9 @@ def generate(graph: fx.Graph, schedule: Schedule, runtime_attr: str,
 def event_count(schedule: Schedule) -> int:
     """Return how many events the generated code records."""
     return len(schedule.producers())
+
+
+def event_streams(schedule: Schedule) -> list[int]:
+    """Return the stream each event of the generated code is recorded on, in event order (as :func:`generate`
+    numbers them)."""
+    return [schedule.stream[p] for p in sorted(schedule.producers(), key=schedule.order.index)]
