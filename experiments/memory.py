@@ -324,7 +324,8 @@ def base_row(payload: dict) -> dict:
     return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
-                torch=torch.__version__, date=datetime.date.today().isoformat())
+                torch=torch.__version__, date=datetime.date.today().isoformat(),
+                saved_on_caller=os.environ.get("CONCUR_SAVED_ON_CALLER") == "1")
 
 
 def child(payload: dict) -> dict:
