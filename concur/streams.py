@@ -26,9 +26,10 @@ stream then allocates beside blocks it cannot use (on the H200, a 2-stream
 unfused GoogLeNet b64 held 678 MB so, free, when it ran out). With the
 option, a tensor autograd saves while a side stream is current, made on
 that stream, is copied into a block of the caller's stream once the caller
-has waited for it (the caller's ``wait`` on that stream's event, or the
-join), on the caller's stream, and the side stream's block goes back to the
-side stream for the next branch. Backward reads the copy; it is protected
+has waited for it (the caller's ``wait`` on that stream's event), on the
+caller's stream, right after the caller's next event (so the copies run
+beside the side streams' next branches, not before them), or at the join;
+the side stream's block goes back to the side stream for a later branch. Backward reads the copy; it is protected
 with ``record_stream`` for the stream that reads it.
 
 A plan that splits weight gradients off (:mod:`concur.fx.weight_grads`) has
@@ -128,6 +129,7 @@ class StreamRuntime:
         self._marks: dict[int, int] = {}
         self._foreign: set[int] = set()
         self._holders: dict[tuple, _Saved] = {}
+        self._due: dict[int, int] = {}  # per side stream: saved tensors the caller has waited for, to move
         self.active = False
         self._device: torch.device | None = None
         self._side: list[torch.cuda.Stream] = []
@@ -163,7 +165,7 @@ class StreamRuntime:
         if self.saved_on_caller and torch.is_grad_enabled():
             self._pending = [[] for _ in self._streams]
             self._moved_upto = [0] * len(self._streams)
-            self._marks, self._foreign, self._holders = {}, set(), {}
+            self._marks, self._foreign, self._holders, self._due = {}, set(), {}, {}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
 
@@ -180,6 +182,10 @@ class StreamRuntime:
             self._events[event].record(self._streams[self._current])
             if self._hooks is not None:
                 self._marks[event] = len(self._pending[self._current])
+                if self._current == 0:  # after the event the side streams wait for: the copies run beside them
+                    for stream, upto in sorted(self._due.items()):
+                        self._move(stream, upto)
+                    self._due = {}
 
     def wait(self, event: int) -> None:
         """Make the current stream wait for event ``event``."""
@@ -187,7 +193,7 @@ class StreamRuntime:
             self._streams[self._current].wait_event(self._events[event])
             if self._hooks is not None and self._current == 0 and self.event_streams[event] != 0:
                 stream = self.event_streams[event]
-                self._move(stream, self._marks.get(event, 0))
+                self._due[stream] = max(self._due.get(stream, 0), self._marks.get(event, 0))
 
     def keep(self, *tensors: Any) -> None:
         """Protect tensors allocated on another stream from reuse while the current stream uses them."""
@@ -306,5 +312,5 @@ class StreamRuntime:
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
-        self._pending, self._marks, self._foreign, self._holders = [], {}, set(), {}
+        self._pending, self._marks, self._foreign, self._holders, self._due = [], {}, set(), {}, {}
 

@@ -237,10 +237,10 @@ def active_runtime(monkeypatch):
     """A 2-stream runtime, active on CPU tensors, moving saved tensors; returns (runtime, log)."""
     log, caller = [], FakeStream("caller")
     current = [caller]
-    rt = StreamRuntime(2, 1, saved_on_caller=True, event_streams=[1])
+    rt = StreamRuntime(2, 2, saved_on_caller=True, event_streams=[1, 0])
     rt._device = "cpu"
     rt._side = [FakeStream("s1")]
-    rt._events = [FakeEvent("e0", log)]
+    rt._events = [FakeEvent("e0", log), FakeEvent("e1", log)]
     rt._join_events = [FakeEvent(f"j{i}", log) for i in range(2)]
     monkeypatch.setattr(runtime_module, "cuda_device_in", lambda *values: "cpu")
     monkeypatch.setattr(runtime_module, "_on_device", lambda t: True)
@@ -252,8 +252,9 @@ def active_runtime(monkeypatch):
 
 
 def test_the_callers_wait_for_a_side_stream_moves_what_that_stream_saved_before_the_event(active_runtime):
-    """Not only at the join: the caller's wait for event 0 moves what the side stream saved before recording it,
-    so the side stream's blocks serve its next branch; what it saved after waits for a later wait or the join."""
+    """Not only at the join: after the caller's wait for event 0, its next event moves what the side stream saved
+    before recording event 0, so the side stream's blocks serve a later branch; what it saved after waits for a
+    later wait or the join."""
     import weakref
 
     rt, _ = active_runtime
@@ -266,6 +267,8 @@ def test_the_callers_wait_for_a_side_stream_moves_what_that_stream_saved_before_
     b = torch.tanh(a * 3)  # saved after the event
     rt.switch(0)
     rt.wait(0)
+    assert rt.moved == 0, "not before the caller's next event: the side streams would wait for the copies"
+    rt.record(1)
     assert rt.moved == 1
     del a
     assert made() is None, "the side stream's original is given back once the caller's copy has read it"
