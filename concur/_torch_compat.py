@@ -51,6 +51,13 @@ def version_counter(t: torch.Tensor) -> int:
         return -1
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """Return the tensor ``t`` is a view of (``Tensor._base``), or ``t`` itself; ``t`` where torch has no such
+    attribute (then a view of a parameter looks like a tensor of its own, and is moved like one)."""
+    base = getattr(t, "_base", None)
+    return t if base is None else base
+
+
 @contextlib.contextmanager
 def cuda_sanitizer() -> Iterator[None]:
     """Enable PyTorch's CUDA stream sanitizer (CSAN) for the duration of the block.

@@ -50,6 +50,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn as nn
 
+from concur import _torch_compat as compat
 from concur.dag.annotate import cuda_device_in, tensors_in
 
 __all__ = ["side_streams", "weight_grad_stream", "StreamRuntime"]
@@ -89,7 +90,8 @@ class _Saved:
     __slots__ = ("tensor", "source", "version", "moved")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.source, self.version, self.moved = tensor, weakref.ref(tensor), tensor._version, False
+        self.tensor, self.source, self.moved = tensor, weakref.ref(tensor), False
+        self.version = compat.version_counter(tensor)
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -261,7 +263,7 @@ class StreamRuntime:
         """Autograd saves ``t``: kept as it is where the caller's stream made it (or a parameter); else held to
         be moved: at once where the caller's op saves what a side stream made (it has waited for it), at the
         caller's next wait for it where a side stream's op saves what its stream made."""
-        base = t if t._base is None else t._base
+        base = compat.view_base(t)
         if not _on_device(t) or isinstance(base, nn.Parameter):  # a weight, or a view of one (a transpose)
             return t
         foreign = t.untyped_storage().data_ptr() in self._foreign  # read from another stream by this op
@@ -269,7 +271,7 @@ class StreamRuntime:
             return t  # the caller's own; or, on a side stream, another stream's: left where it is
         key = _storage_key(t)  # one tensor saved by several ops is moved once
         saved = self._holders.get(key)
-        if saved is None or saved.source() is not t or saved.version != t._version:
+        if saved is None or saved.source() is not t or saved.version != compat.version_counter(t):
             saved = self._holders[key] = _Saved(t)
             if self._current == 0:
                 self._copy(saved)
@@ -283,9 +285,10 @@ class StreamRuntime:
         if not isinstance(saved, _Saved):
             return saved
         t = saved.tensor
-        if not saved.moved and t._version != saved.version:
+        version = compat.version_counter(t)
+        if not saved.moved and version != saved.version:
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
-                               f"inplace operation: a tensor of shape {tuple(t.shape)} is at version {t._version}, "
+                               f"inplace operation: a tensor of shape {tuple(t.shape)} is at version {version}, "
                                f"saved at version {saved.version}")
         if saved.moved and _on_device(t):
             _record(t, torch.cuda.current_stream(t.device))
@@ -295,7 +298,7 @@ class StreamRuntime:
         """Copy the tensors saved on side stream ``stream`` up to ``upto`` into blocks of the caller's stream
         (current), on it; each original goes back to its stream once the caller's copy has read it."""
         for saved in self._pending[stream][self._moved_upto[stream]:upto]:
-            if saved.tensor._version == saved.version:  # else changed in place since saved: backward raises
+            if compat.version_counter(saved.tensor) == saved.version:  # else changed in place: backward raises
                 self._copy(saved)
         self._moved_upto[stream] = max(self._moved_upto[stream], upto)
 
