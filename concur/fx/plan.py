@@ -218,7 +218,8 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
         raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
                         f"({schedule.scheduler}, {schedule.num_streams} streams); please report this bug: "
                         f"{problems[:5]}")
-    # a prototype's switch, to measure: saved activations a side stream makes copied to the caller's stream
+    # off unless asked for while it is measured (docs/guides/train_step.md): saved activations a side stream makes,
+    # copied to the caller's stream
     saved_on_caller = os.environ.get("CONCUR_SAVED_ON_CALLER") == "1" and schedule.num_streams > 1
     runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0,
                             saved_on_caller=saved_on_caller, event_streams=event_streams(schedule))
