@@ -94,6 +94,17 @@ class _Saved:
         self.version = compat.version_counter(tensor)
 
 
+def _moves_free_blocks() -> bool:
+    """Whether a side stream's block, read by the caller's copy, can serve the side stream again before backward:
+    outside a CUDA-graph capture once the copy is done; inside one only where the allocator reuses such blocks
+    (torch >= 2.9), else every such block is held to the capture's end and the copies would only add memory."""
+    try:
+        capturing = torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # no CUDA driver: nothing is captured
+        capturing = False
+    return not capturing or compat.captures_reuse_cross_stream_blocks()
+
+
 def _on_device(t: torch.Tensor) -> bool:
     return t.is_cuda
 
@@ -164,7 +175,7 @@ class StreamRuntime:
         fork_event.record(caller)
         for s in self._side:
             s.wait_event(fork_event)
-        if self.saved_on_caller and torch.is_grad_enabled():
+        if self.saved_on_caller and torch.is_grad_enabled() and _moves_free_blocks():
             self._pending = [[] for _ in self._streams]
             self._moved_upto = [0] * len(self._streams)
             self._marks, self._foreign, self._holders, self._due = {}, set(), {}, {}

@@ -307,3 +307,21 @@ def test_a_parameter_or_a_view_of_one_saved_on_a_side_stream_is_not_moved(active
     out = linear(x)  # saves x (the caller's) and the weight's transpose
     rt.join(out)
     assert rt.moved == 0
+
+
+@pytest.mark.parametrize("reuses", [True, False])
+def test_inside_a_capture_saved_tensors_move_only_where_the_allocator_reuses_the_blocks_they_leave(
+        active_runtime, monkeypatch, reuses):
+    """Without the allocator's reuse of blocks other streams read (torch < 2.9), a capture holds every block the
+    caller's copies read to its end: the copies would add memory, so nothing moves."""
+    from concur import _torch_compat as compat
+
+    rt, _ = active_runtime
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(compat, "captures_reuse_cross_stream_blocks", lambda: reuses)
+    x = torch.randn(4, requires_grad=True)
+    rt.fork(x)
+    rt.switch(1)
+    a = torch.tanh(x)
+    rt.join(a)
+    assert rt.moved == (1 if reuses else 0)
