@@ -18,18 +18,19 @@ such blocks until the capture ends; concur's captures switch on its reuse of
 them once the captured graph orders their readers first
 (:func:`concur._torch_compat.capture_reuses_cross_stream_blocks`).
 
-Saved activations on the caller's stream (``saved_on_caller``): autograd
-saves most of a training forward's outputs for backward, and those a side
-stream made stay in that stream's blocks until backward frees them, where
-only that stream may reuse them; at the start of backward the caller's
-stream then allocates beside blocks it cannot use (on the H200, a 2-stream
-unfused GoogLeNet b64 held 678 MB so, free, when it ran out). With the
-option, a tensor autograd saves while a side stream is current, made on
-that stream, is copied into a block of the caller's stream once the caller
-has waited for it (the caller's ``wait`` on that stream's event), on the
-caller's stream, right after the caller's next event (so the copies run
-beside the side streams' next branches, not before them), or at the join;
-the side stream's block goes back to the side stream for a later branch. Backward reads the copy; it is protected
+Saved activations on the caller's stream (``saved_on_caller``, off unless
+``CONCUR_SAVED_ON_CALLER=1`` while it is measured): autograd saves most of a
+training forward's outputs for backward, and those a side stream made stay
+in that stream's blocks until backward frees them, where only that stream
+may reuse them; at the start of backward the caller's stream then allocates
+beside blocks it cannot use (on the H200, a 2-stream unfused GoogLeNet b64
+held 678 MB so, free, when it ran out). With the option, a tensor autograd
+saves while a side stream is current, made on that stream, is copied into a
+block of the caller's stream once the caller has waited for it (its
+``wait`` on that stream's event), on the caller's stream, right after the
+caller's next event (so the copies run beside the side streams' next
+branches, not before them), or at the join; the side stream's block goes
+back to that stream for a later branch. Backward reads the copy, protected
 with ``record_stream`` for the stream that reads it.
 
 A plan that splits weight gradients off (:mod:`concur.fx.weight_grads`) has
@@ -272,8 +273,8 @@ class StreamRuntime:
 
     def _pack(self, t: torch.Tensor) -> Any:
         """Autograd saves ``t``: kept as it is where the caller's stream made it (or a parameter); else held to
-        be moved: at once where the caller's op saves what a side stream made (it has waited for it), at the
-        caller's next wait for it where a side stream's op saves what its stream made."""
+        be moved: at once where the caller's op saves what a side stream made (it has waited for it); where a
+        side stream's op saves what its stream made, after the caller's first event once it has waited for it."""
         base = compat.view_base(t)
         if not _on_device(t) or isinstance(base, nn.Parameter):  # a weight, or a view of one (a transpose)
             return t
