@@ -103,7 +103,8 @@ def _moves_free_blocks() -> bool:
         capturing = torch.cuda.is_current_stream_capturing()
     except RuntimeError:  # no CUDA driver: nothing is captured
         capturing = False
-    return not capturing or compat.captures_reuse_cross_stream_blocks()
+    # a parameter's transpose must be told from a tensor a side stream made: it is never moved
+    return compat.tensors_know_their_bases() and (not capturing or compat.captures_reuse_cross_stream_blocks())
 
 
 def _on_device(t: torch.Tensor) -> bool:

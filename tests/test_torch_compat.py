@@ -452,3 +452,14 @@ def test_view_base_is_the_viewed_tensor_or_the_tensor_itself():
     assert compat.view_base(w.t()) is w and compat.view_base(w) is w
     plain = torch.randn(2)
     assert compat.view_base(plain) is plain
+    assert compat.tensors_know_their_bases()
+
+
+def test_without_view_bases_no_saved_tensor_moves(monkeypatch):
+    """Fails closed: where tensors do not say what they view, a parameter's transpose would be copied as a
+    tensor of its own, so the runtime moves nothing."""
+    from concur import _torch_compat as compat
+    from concur import streams
+
+    monkeypatch.setattr(compat, "tensors_know_their_bases", lambda: False)
+    assert not streams._moves_free_blocks()
