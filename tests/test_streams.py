@@ -150,16 +150,27 @@ class Towers(torch.nn.Module):
         return self.head(torch.cat([t(h) for t in self.towers], dim=1))
 
 
-class LoggedEvent(FakeEvent):
-    def record(self, stream):
-        super().record(stream)
+def activate_on_cpu(rt, monkeypatch):
+    """Bind ``rt`` to fake streams and events and let it act on CPU tensors as on CUDA ones (``record_stream``
+    logged); return the log."""
+    log, current = [], [FakeStream("caller")]
+    rt._device = "cpu"  # already bound: _bind returns at once
+    rt._side = [FakeStream(f"s{i}") for i in range(1, rt.num_streams)]
+    rt._events = [FakeEvent(f"e{i}", log) for i in range(rt.num_events)]
+    rt._join_events = [FakeEvent(f"j{i}", log) for i in range(rt.num_streams)]
+    monkeypatch.setattr(runtime_module, "cuda_device_in", lambda *values: "cpu")
+    monkeypatch.setattr(runtime_module, "_on_device", lambda t: True)
+    monkeypatch.setattr(runtime_module, "_record", lambda t, stream: log.append(("keep", stream.name)))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+    return log
 
 
 @pytest.fixture
 def active_plan(monkeypatch):
     """A 4-stream plan of Towers whose runtime is active on CPU tensors (fake streams and events, record_stream
     logged): what it does on CUDA, in issue order."""
-    import concur.fx.plan as plan_module
     from concur.fx.plan import build_plan
 
     monkeypatch.setenv("CONCUR_SAVED_ON_CALLER", "1")
@@ -167,22 +178,8 @@ def active_plan(monkeypatch):
     model = Towers()
     x = torch.randn(5, 6)
     plan = build_plan(model, (x,), streams=4, scheduler="critical_path")
-    rt = plan.runtime
-    assert rt.saved_on_caller and plan.schedule.num_streams == 4
-    log, caller = [], FakeStream("caller")
-    current = [caller]
-    rt._device = "cpu"  # already bound: _bind returns at once
-    rt._side = [FakeStream(f"s{i}") for i in range(1, 4)]
-    rt._events = [FakeEvent(f"e{i}", log) for i in range(rt.num_events)]
-    rt._join_events = [FakeEvent(f"j{i}", log) for i in range(4)]
-    monkeypatch.setattr(runtime_module, "cuda_device_in", lambda *values: "cpu")
-    monkeypatch.setattr(runtime_module, "_on_device", lambda t: True)
-    monkeypatch.setattr(runtime_module, "_record", lambda t, stream: log.append(("keep", stream.name)))
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: None, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
-    del plan_module
-    return model, x, plan, log
+    assert plan.runtime.saved_on_caller and plan.schedule.num_streams == 4
+    return model, x, plan, activate_on_cpu(plan.runtime, monkeypatch)
 
 
 def test_saved_activations_a_side_stream_makes_are_moved_to_the_caller_once_it_has_waited_for_them(active_plan):
@@ -235,20 +232,8 @@ def test_the_runtime_needs_each_events_stream_to_move_saved_tensors():
 @pytest.fixture
 def active_runtime(monkeypatch):
     """A 2-stream runtime, active on CPU tensors, moving saved tensors; returns (runtime, log)."""
-    log, caller = [], FakeStream("caller")
-    current = [caller]
     rt = StreamRuntime(2, 2, saved_on_caller=True, event_streams=[1, 0])
-    rt._device = "cpu"
-    rt._side = [FakeStream("s1")]
-    rt._events = [FakeEvent("e0", log), FakeEvent("e1", log)]
-    rt._join_events = [FakeEvent(f"j{i}", log) for i in range(2)]
-    monkeypatch.setattr(runtime_module, "cuda_device_in", lambda *values: "cpu")
-    monkeypatch.setattr(runtime_module, "_on_device", lambda t: True)
-    monkeypatch.setattr(runtime_module, "_record", lambda t, stream: log.append(("keep", stream.name)))
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: None, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
-    return rt, log
+    return rt, activate_on_cpu(rt, monkeypatch)
 
 
 def test_the_callers_wait_for_a_side_stream_moves_what_that_stream_saved_before_the_event(active_runtime):
