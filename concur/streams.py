@@ -188,7 +188,8 @@ class StreamRuntime:
         """Make stream ``index`` current: the following ops are queued on it."""
         if self.active:
             self._current = index
-            self._foreign = set()
+            if self._hooks is not None:
+                self._foreign = set()
             torch.cuda.set_stream(self._streams[index])
 
     def record(self, event: int) -> None:
