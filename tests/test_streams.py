@@ -167,19 +167,23 @@ def activate_on_cpu(rt, monkeypatch):
     return log
 
 
-@pytest.fixture
-def active_plan(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["", "split_weight_grads"])
+def active_plan(monkeypatch, request):
     """A 4-stream plan of Towers whose runtime is active on CPU tensors (fake streams and events, record_stream
-    logged): what it does on CUDA, in issue order."""
+    logged): what it does on CUDA, in issue order; with its weight gradients split off or not (their autograd
+    nodes save tensors too)."""
     from concur.fx.plan import build_plan
 
     monkeypatch.setenv("CONCUR_SAVED_ON_CALLER", "1")
     torch.manual_seed(0)
     model = Towers()
     x = torch.randn(5, 6)
-    plan = build_plan(model, (x,), streams=4, scheduler="critical_path")
+    plan = build_plan(model, (x,), streams=4, scheduler="critical_path", split_weight_grads=request.param)
     assert plan.runtime.saved_on_caller and plan.schedule.num_streams == 4
-    return model, x, plan, activate_on_cpu(plan.runtime, monkeypatch)
+    assert (plan.weight_grad_splits > 0) == request.param
+    log = activate_on_cpu(plan.runtime, monkeypatch)
+    plan.runtime._weight_grad = FakeStream("weight grads") if request.param else None
+    return model, x, plan, log
 
 
 def test_saved_activations_a_side_stream_makes_are_moved_to_the_caller_once_it_has_waited_for_them(active_plan):
