@@ -215,11 +215,12 @@ class StreamRuntime:
         """Protect tensors allocated on another stream from reuse while the current stream uses them."""
         if self.active:
             stream = self._streams[self._current]
-            for t in tensors_in(tensors):
+            foreign = tensors_in(tensors)
+            for t in foreign:
                 if t.is_cuda:
                     t.record_stream(stream)
             if self._hooks is not None:  # what the next op reads from another stream is not its stream's to move
-                self._foreign = {t.untyped_storage().data_ptr() for t in tensors_in(tensors)}
+                self._foreign = {t.untyped_storage().data_ptr() for t in foreign}
 
     def join(self, *outputs: Any) -> None:
         """End a call: the caller's stream waits for every side stream and becomes current again."""

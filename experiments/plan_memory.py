@@ -19,10 +19,10 @@ takes the backward graphs' programs down first: on 2 streams, then with
 aten's calls on the caller's stream, still on 2, then off; the subsets
 "backward on 2" and "backward lean" are those steps, the forward keeping its
 streams, and "backward lean on all" the lean step on the step's own streams).
-``--allocations launching``
-makes each buffer on the stream that first uses it, as before concur made
-every buffer a side stream uses first on the caller's stream
-(:func:`concur.inductor.wrapper_emit.caller_allocations`): what that saves.
+``--allocations launching`` makes each buffer on the stream that first uses
+it, as before concur made every buffer a side stream uses first on the
+caller's stream (:func:`concur.inductor.wrapper_emit.caller_allocations`):
+what that saves.
 """
 
 from __future__ import annotations
