@@ -51,19 +51,6 @@ def version_counter(t: torch.Tensor) -> int:
         return -1
 
 
-def tensors_know_their_bases() -> bool:
-    """Whether tensors say what they are views of (``Tensor._base``, private); where not, :func:`view_base`
-    cannot tell a parameter's transpose from a tensor of its own, and its callers must not rely on it."""
-    return hasattr(torch.Tensor, "_base")
-
-
-def view_base(t: torch.Tensor) -> torch.Tensor:
-    """Return the tensor ``t`` is a view of (``Tensor._base``), or ``t`` itself
-    (see :func:`tensors_know_their_bases`)."""
-    base = getattr(t, "_base", None)
-    return t if base is None else base
-
-
 @contextlib.contextmanager
 def cuda_sanitizer() -> Iterator[None]:
     """Enable PyTorch's CUDA stream sanitizer (CSAN) for the duration of the block.

@@ -104,31 +104,25 @@ class Config:
 
 @dataclass(frozen=True)
 class Side:
-    """One run under the limit: who runs (``recipe`` or ``concur``), the ``streams`` passed (None: the default), and
-    environment variables of its own."""
+    """One run under the limit: who runs (``recipe`` or ``concur``) and the ``streams`` passed (None: the default)."""
 
     name: str
     who: str
     streams: int | str | None = None
-    env: tuple[tuple[str, str], ...] = ()
 
 
 RECIPE_ALONE = Side("recipe_alone", "recipe")
 
 
-def limited_sides(extra_streams: list[str], without_streams1: bool = False,
-                  saved_on_caller: bool = False) -> list[Side]:
+def limited_sides(extra_streams: list[str], without_streams1: bool = False) -> list[Side]:
     """The runs under the limit: the recipe, concur's defaults, concur on one stream (unless ``without_streams1``:
-    a run that times the defaults alone saves a compile), each extra stream count, then, with ``saved_on_caller``,
-    the defaults with saved activations moved to the caller's stream (``CONCUR_SAVED_ON_CALLER=1``)."""
+    a run that times the defaults alone saves a compile), then each extra stream count."""
     sides = [Side("recipe", "recipe"), Side("concur", "concur")]
     if not without_streams1:
         sides.append(Side("concur_streams1", "concur", 1))
     for s in extra_streams:
         if f"concur_streams{s}" not in {side.name for side in sides}:
             sides.append(Side(f"concur_streams{s}", "concur", s if s == "auto" else int(s)))
-    if saved_on_caller:
-        sides.append(Side("concur_saved_on_caller", "concur", env=(("CONCUR_SAVED_ON_CALLER", "1"),)))
     return sides
 
 
@@ -330,8 +324,7 @@ def base_row(payload: dict) -> dict:
     return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
-                torch=torch.__version__, date=datetime.date.today().isoformat(),
-                saved_on_caller=os.environ.get("CONCUR_SAVED_ON_CALLER") == "1")
+                torch=torch.__version__, date=datetime.date.today().isoformat())
 
 
 def child(payload: dict) -> dict:
@@ -382,7 +375,6 @@ def _exit_reason(code: int) -> str:
 def run_child(payload: dict, timeout_s: float = CHILD_TIMEOUT_S) -> dict:
     """Run one side in a child process; return its row, or an error row where it crashed, hung or printed none."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.update(payload.get("env") or {})
     cache = None
     if payload["who"] == "concur":
         cache = tempfile.mkdtemp(prefix="concur_decisions_")
@@ -413,8 +405,7 @@ def _failed_row(payload: dict, error_type: str, error: str, stderr: str) -> dict
 def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: float | None) -> dict:
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
-                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
-                env=dict(side.env))
+                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels)
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -423,7 +414,7 @@ def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], 
     emit(alone)
     rows = [alone]
     reserved = alone.get("peak_reserved_mb") if alone["outcome"] != "error" else None
-    for side in limited_sides(args.streams, args.without_streams1, args.saved_on_caller):
+    for side in limited_sides(args.streams, args.without_streams1):
         if reserved is None:
             row = dict(base_row(_payload(config, side, args, None)), outcome="skipped", oom=False,
                        error=f"the recipe alone gave no peak to limit by ({alone.get('error_type')})")
@@ -528,8 +519,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
     ap.add_argument("--without-streams1", action="store_true",
                     help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")
-    ap.add_argument("--saved-on-caller", action="store_true",
-                    help="one more concur row with saved activations moved to the caller's stream (being measured)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -44,5 +44,4 @@ with cuda_sanitizer():
     torch.cuda.synchronize()
     streams = [g.num_streams for b in step.backends.values() for g in b.graphs] if step.compile \
         else step.module.schedule.num_streams
-    moved = 0 if step.compile else step.module.plan.runtime.moved  # saved tensors copied to the caller's stream
-    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}, saved tensors moved {moved}")
+    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}")

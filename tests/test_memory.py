@@ -75,16 +75,6 @@ def test_without_streams1_runs_the_recipe_and_the_defaults_only(tmp_path, monkey
     assert [p["side"] for p in launcher.payloads] == ["recipe_alone", "recipe", "concur"]
 
 
-def test_saved_on_caller_adds_a_concur_row_whose_child_alone_moves_saved_activations(tmp_path, monkeypatch):
-    launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
-    monkeypatch.delenv("CONCUR_SAVED_ON_CALLER", raising=False)
-    monkeypatch.setattr(memory, "_launch", launcher)
-    memory.run(memory.parse_args(["--out", str(tmp_path), "--networks", "googlenet", "--batches", "64", "--paths",
-                                  "unfused", "--without-streams1", "--saved-on-caller"]))
-    assert [p["side"] for p in launcher.payloads] == ["recipe_alone", "recipe", "concur", "concur_saved_on_caller"]
-    assert [env.get("CONCUR_SAVED_ON_CALLER") for env in launcher.envs] == [None, None, None, "1"]
-
-
 def test_the_fraction_is_the_limit_over_the_devices_total_and_set_before_setup(monkeypatch):
     order = []
     monkeypatch.setattr(memory, "_device", lambda: ("Fake GPU", 4000 * MB))

@@ -443,23 +443,3 @@ def test_a_scaler_whose_state_moved_raises_instead_of_restoring_nothing():
         compat.grad_scaler_tensors(scaler)
     with pytest.raises(RuntimeError, match="concur cannot save and put back the loss scale"):
         compat.reset_grad_scaler(scaler, torch.tensor(8.0), torch.tensor(0, dtype=torch.int32))
-
-
-def test_view_base_is_the_viewed_tensor_or_the_tensor_itself():
-    from concur import _torch_compat as compat
-
-    w = torch.nn.Parameter(torch.randn(3, 4))
-    assert compat.view_base(w.t()) is w and compat.view_base(w) is w
-    plain = torch.randn(2)
-    assert compat.view_base(plain) is plain
-    assert compat.tensors_know_their_bases()
-
-
-def test_without_view_bases_no_saved_tensor_moves(monkeypatch):
-    """Fails closed: where tensors do not say what they view, a parameter's transpose would be copied as a
-    tensor of its own, so the runtime moves nothing."""
-    from concur import _torch_compat as compat
-    from concur import streams
-
-    monkeypatch.setattr(compat, "tensors_know_their_bases", lambda: False)
-    assert not streams._moves_free_blocks()

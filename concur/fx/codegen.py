@@ -68,7 +68,7 @@ def generate(graph: fx.Graph, schedule: Schedule, runtime_attr: str,
     placeholders = [env[n] for n in graph.nodes if n.op == "placeholder"]
     new.call_method("fork", (rt, *placeholders))
 
-    event_of = {p: i for i, p in enumerate(_event_producers(schedule))}
+    event_of = {p: i for i, p in enumerate(sorted(schedule.producers(), key=schedule.order.index))}
     waits_into: dict[str, list[str]] = defaultdict(list)
     for w in schedule.waits:
         waits_into[w.consumer].append(w.producer)
@@ -100,14 +100,3 @@ def generate(graph: fx.Graph, schedule: Schedule, runtime_attr: str,
 def event_count(schedule: Schedule) -> int:
     """Return how many events the generated code records."""
     return len(schedule.producers())
-
-
-def event_streams(schedule: Schedule) -> list[int]:
-    """Return the stream each event of the generated code is recorded on, in event order (as :func:`generate`
-    numbers them)."""
-    return [schedule.stream[p] for p in _event_producers(schedule)]
-
-
-def _event_producers(schedule: Schedule) -> list[str]:
-    """The nodes after which the generated code records an event, in issue order: event ``i`` follows the i-th."""
-    return sorted(schedule.producers(), key=schedule.order.index)

@@ -4,7 +4,6 @@ split off), all checked; one trace serves every plan of it (:func:`generate_plan
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +21,7 @@ from concur.dag.hazards import build_dag, is_free_source
 from concur.dag.memory_budget import plan_budget
 from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInputError, PlanError, debug
 from concur.fx.trace import LeafSpec, trace
-from concur.fx.codegen import event_count, event_streams, generate
+from concur.fx.codegen import event_count, generate
 from concur.fx.verify import verify_generated
 from concur.fx.weight_grads import split_weight_gradients
 from concur.streams import StreamRuntime
@@ -218,11 +217,7 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
         raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
                         f"({schedule.scheduler}, {schedule.num_streams} streams); please report this bug: "
                         f"{problems[:5]}")
-    # off unless asked for while it is measured (docs/guides/train_step.md): saved activations a side stream makes,
-    # copied to the caller's stream
-    saved_on_caller = os.environ.get("CONCUR_SAVED_ON_CALLER") == "1" and schedule.num_streams > 1
-    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0,
-                            saved_on_caller=saved_on_caller, event_streams=event_streams(schedule))
+    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0)
     setattr(traced, runtime_attr, runtime)
     generated = fx.GraphModule(traced, graph, f"Concur{type(model).__name__}")
     return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits)
