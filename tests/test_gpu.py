@@ -50,11 +50,12 @@ def test_optimize_matches_original_with_4_streams(name):
 
     The plan issues branches in another order, so autograd sums branch
     gradients in another order, and BatchNorm's backward amplifies that where
-    its terms cancel (Inception-v3 on the H100: 2e-4 over all gradients). The
+    its terms cancel: the 4-stream gradients may differ from the unmodified
+    model's by 1e-3 at most (Inception-v3: 2e-4 over all gradients). The
     oracle is the unmodified model in float64: the 4-stream gradients must be
-    within 4x of the float32 model's own rounding error against it, or 1e-5.
-    One stream runs the model's own order (:func:`concur.dag.decide.schedule_graph`),
-    so its gradients are the unmodified model's.
+    no farther from it than the float32 model's own (within 10%). One stream
+    runs the model's own order (:func:`concur.dag.decide.schedule_graph`), so
+    its gradients are the unmodified model's.
     """
     make, size, batch = MODELS[name]
     torch.manual_seed(0)
@@ -79,7 +80,8 @@ def test_optimize_matches_original_with_4_streams(name):
     e_ref, e1, e4 = (rel(grads[i], grads[3]) for i in range(3))
     print(f"{name}: gradient rel. error against float64: model {e_ref:.2e}, 1 stream {e1:.2e}, 4 streams {e4:.2e}")
     assert rel(grads[1], grads[0]) <= 1e-5, "one stream runs the model's own order: its gradients are the model's"
-    assert e4 <= max(1e-5, 4 * e_ref), f"4 streams {e4:.2e} vs the model's own {e_ref:.2e}"
+    assert rel(grads[2], grads[0]) <= 1e-3, f"4 streams {rel(grads[2], grads[0]):.2e} from the unmodified model"
+    assert e4 <= 1.1 * e_ref + 1e-6, f"4 streams {e4:.2e} from float64, the unmodified model {e_ref:.2e}"
 
 
 def _sanitized(*flags):
