@@ -10,8 +10,10 @@ that the run equals the plain loop's throughout.
 
 from __future__ import annotations
 
+import gc
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -64,6 +66,7 @@ class TrialGraphs(EmulatedGraphs):
         self.new_pools = 0
         self.timings = []     # every timed replay's fake timing, in order
         self.released = []    # per release of an old pool: whether no graph and no gradient held it any more
+        self._in_pool = []    # weak references to the graphs captured into the current pool
         self.last_step = None
 
     def can_time(self, device):
@@ -73,6 +76,7 @@ class TrialGraphs(EmulatedGraphs):
         self.last_step = step
         graph, out = super().capture(body, step)
         self.plan_of[id(graph)] = (step, step.module.plan)
+        self._in_pool.append(weakref.ref(graph))
         return graph, out
 
     def timed_replay(self, graph):
@@ -92,13 +96,17 @@ class TrialGraphs(EmulatedGraphs):
 
     def new_pool(self):
         self.new_pools += 1
-        self.old_pool = True
+        self.old_pool, self._old_graphs, self._in_pool = True, self._in_pool, []
 
     def release_old_pool(self):
+        # a real pool goes back to the device only once every graph captured into it is destroyed: one the step
+        # still refers to anywhere keeps all of its blocks reserved
         if getattr(self, "old_pool", False):
             self.old_pool = False
+            gc.collect()
             self.released.append(self.last_step is not None and not self.last_step.graphs
-                                 and all(p.grad is None for p in self.last_step.model.parameters()))
+                                 and all(p.grad is None for p in self.last_step.model.parameters())
+                                 and all(ref() is None for ref in self._old_graphs))
 
 
 def sgd(params):
@@ -146,6 +154,7 @@ def test_first_calls_time_both_programs_and_keep_the_faster(monkeypatch):
     step = trial_run(monkeypatch, runner)
     assert runner.captures == 3 and runner.new_pools == 1, \
         "one capture per program, nothing timed before the step; the kept one again, in a pool of its own"
+    assert runner.released == [True], "the trial's pool given back with no graph of it alive"
     assert sorted(set(runner.replayed)) == [1, 2] and len(runner.replayed) == SETTLED_CALLS
     # rounds rotate the order: each program REPLAYS times in a row, the other first in the next round
     assert runner.replayed[:8] == [1, 1, 2, 2, 2, 2, 1, 1]

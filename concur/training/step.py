@@ -377,7 +377,8 @@ class TrainStep:
         # the module that started the trial: the one asked for, or fewer streams where that did not fit
         self.step_decisions.append(self.modules[trial.programs[0].streams].settle(rounds))
         self.graphs.clear()
-        self._gradients.bound = None
+        # the pool goes back to the device only once no graph captured into it is referred to anywhere
+        self._gradients.bound = self._status_of = None
         self._runner.new_pool()
 
     def _warn_if_values_are_baked(self, values: tuple) -> None:
