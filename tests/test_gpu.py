@@ -234,6 +234,11 @@ def test_train_step_times_its_programs_on_its_first_calls(tmp_path, monkeypatch)
     print(f"trial: {decision.reason}")
     assert decision.source == "measurement" and decision.measured.rounds >= 3
     assert not step.deciding and len(step.graphs) == 1
+    # the trial's pool went back when the kept program was captured again (no empty_cache here: a run calls none
+    # later, and one would hide a pool the step kept alive until then): one private pool is left
+    pools = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()
+             if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
+    assert len(pools) == 1, f"private pools held after the trial: {sorted(pools)}"
     expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
     envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
     assert_within_envelope("googlenet/trial", losses, expected, envelope, model, ref, twin)
