@@ -273,3 +273,70 @@ def _trace_quietly(model: nn.Module):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return trace(model, "auto")
+
+
+class AliasedResidual(nn.Module):
+    """Two branches; ``out += ...`` writes into a tensor another name still refers to, as in eager PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1)
+        self.c = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        out = self.c(torch.relu(self.a(x)))
+        kept = out  # the same tensor: the in-place add below changes it too
+        out += self.b(x)
+        out *= 0.5
+        return torch.cat([kept, torch.sigmoid(out)], dim=1)
+
+
+def test_augmented_assignment_is_traced_as_the_in_place_op_the_model_runs():
+    """fx alone traces ``out += y`` as ``out = out + y``: a new tensor, and another name for ``out`` (``kept``)
+    would no longer see the change eager PyTorch makes."""
+    import operator
+
+    gm = trace(AliasedResidual())
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert operator.iadd in targets and operator.imul in targets
+    assert operator.add not in targets and operator.mul not in targets
+    compare_with_original(AliasedResidual(), lambda: (torch.randn(2, 3, 8, 8),), streams=2)
+
+
+class ResidualTowers(nn.Module):
+    """Residual blocks (``out += identity``, then ReLU in place) on parallel towers: the torchvision pattern."""
+
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList(
+            nn.ModuleDict({"conv": nn.Conv2d(4, 4, 3, padding=1, bias=False), "bn": nn.BatchNorm2d(4),
+                           "relu": nn.ReLU(inplace=True)}) for _ in range(3))
+
+    def forward(self, x):
+        outs = []
+        for t in self.towers:
+            out = t["bn"](t["conv"](x))
+            out += x
+            outs.append(t["relu"](out))
+        return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("split_weight_grads", [False, True])
+def test_residual_adds_run_in_place_on_streams_with_the_models_results(split_weight_grads):
+    """The model's ``add_`` kernels, not new tensors: counted with the profiler against the model's own."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def aten_ops(model, x):
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            model(x).sum().backward()
+        return Counter(e.name for e in p.events() if e.name in ("aten::add", "aten::add_"))
+
+    torch.manual_seed(0)
+    optimized = compare_with_original(ResidualTowers(), lambda: (torch.randn(2, 4, 8, 8),), streams=3,
+                                      split_weight_grads=split_weight_grads)
+    assert optimized.schedule.num_streams > 1
+    torch.manual_seed(0)
+    model, x = ResidualTowers(), torch.randn(2, 4, 8, 8)
+    assert aten_ops(concur.optimize(ResidualTowers(), (x,), streams=3), x) == aten_ops(model, x)

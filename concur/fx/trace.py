@@ -22,6 +22,7 @@ example input, and concurrency applies between them.
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import traceback
@@ -72,6 +73,36 @@ def timm_notrace() -> tuple[tuple[type, ...], tuple[Callable, ...]]:
 _warned_timm: list[bool] = []  # the registry warning is given once per process
 
 
+# Python's augmented assignments and the operators fx records for them (its code generator writes each back as
+# ``a += b``): fx's own Proxy has none of these methods, so ``out += x`` would be traced as ``out = out + x``.
+_INPLACE_METHODS = {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
+    "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
+    "__ilshift__": operator.ilshift, "__irshift__": operator.irshift, "__imatmul__": operator.imatmul,
+}
+
+
+class _InPlaceProxy(fx.Proxy):
+    """A Proxy that records ``a += b`` as the in-place operation the model runs (``operator.iadd``).
+
+    Traced as fx does by itself (``a = a + b``), a residual ``out += identity``
+    would allocate a new tensor where the model writes into ``out``: more memory
+    and another kernel than the model's own ``add_``. The DAG orders the write
+    like any other in-place op (:data:`concur.dag.annotate._INPLACE_OPERATORS`).
+    """
+
+
+def _inplace_method(target: Callable) -> Callable:
+    def method(self: fx.Proxy, other: object) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", target, (self, other), {})
+    return method
+
+
+for _name, _target in _INPLACE_METHODS.items():
+    setattr(_InPlaceProxy, _name, _inplace_method(_target))
+
+
 class _ConcurTracer(fx.Tracer):
     """fx.Tracer that honours user leaf modules and records where tracing failed.
 
@@ -88,6 +119,9 @@ class _ConcurTracer(fx.Tracer):
         self._leaf_types = tuple(x for x in leaves if isinstance(x, type)) + timm_modules
         self._leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
         self.failed_module: tuple[str, torch.nn.Module] | None = None
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
