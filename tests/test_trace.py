@@ -291,16 +291,20 @@ class AliasedResidual(nn.Module):
         return torch.cat([kept, torch.sigmoid(out)], dim=1)
 
 
-def test_augmented_assignment_is_traced_as_the_in_place_op_the_model_runs():
+@pytest.mark.parametrize("split_weight_grads", [False, True])
+def test_augmented_assignment_is_traced_as_the_in_place_op_the_model_runs(split_weight_grads):
     """fx alone traces ``out += y`` as ``out = out + y``: a new tensor, and another name for ``out`` (``kept``)
-    would no longer see the change eager PyTorch makes."""
+    would no longer see the change eager PyTorch makes. Here ``out`` is a convolution's output, which a split
+    weight gradient ties to its layer (concur.fx.weight_grads)."""
     import operator
 
     gm = trace(AliasedResidual())
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert operator.iadd in targets and operator.imul in targets
     assert operator.add not in targets and operator.mul not in targets
-    compare_with_original(AliasedResidual(), lambda: (torch.randn(2, 3, 8, 8),), streams=2)
+    optimized = compare_with_original(AliasedResidual(), lambda: (torch.randn(2, 3, 8, 8),), streams=2,
+                                      split_weight_grads=split_weight_grads)
+    assert (optimized.plan.weight_grad_splits > 0) == split_weight_grads
 
 
 class ResidualTowers(nn.Module):
