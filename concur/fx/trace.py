@@ -86,10 +86,12 @@ _INPLACE_METHODS = {
 class _InPlaceProxy(fx.Proxy):
     """A Proxy that records ``a += b`` as the in-place operation the model runs (``operator.iadd``).
 
-    Traced as fx does by itself (``a = a + b``), a residual ``out += identity``
-    would allocate a new tensor where the model writes into ``out``: more memory
-    and another kernel than the model's own ``add_``. The DAG orders the write
-    like any other in-place op (:data:`concur.dag.annotate._INPLACE_OPERATORS`).
+    Traced as fx does by itself (``a = a + b``), ``out += identity`` would make
+    a new tensor where the model writes into ``out``: another name still holding
+    ``out`` (``kept = out`` before the add) would not see the change eager
+    PyTorch makes, a silently different result, and a residual add would cost a
+    buffer the model does not allocate. The DAG orders the write like any other
+    in-place op (:data:`concur.dag.annotate._INPLACE_OPERATORS`).
     """
 
 
@@ -101,6 +103,7 @@ def _inplace_method(target: Callable) -> Callable:
 
 for _name, _target in _INPLACE_METHODS.items():
     setattr(_InPlaceProxy, _name, _inplace_method(_target))
+del _name, _target
 
 
 class _ConcurTracer(fx.Tracer):
