@@ -80,6 +80,14 @@ def load(path: Path) -> Golden:
     return read_golden(path)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def parsed_wrappers_freed_after_this_module():
+    """The parsed wrappers are millions of objects: kept for the rest of the session, every later
+    ``gc.collect()`` (each capture runs one) would walk them, about 2 s each on 2 cores."""
+    yield
+    load.cache_clear()
+
+
 def read_golden(path: Path) -> Golden:
     source = gzip.open(path / "wrapper.py.gz", "rt").read()
     records = json.load(gzip.open(path / "oracle.json.gz", "rt"))
