@@ -52,11 +52,12 @@ _RANDOM_MODULES = (
     torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
     torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout, torch.nn.RReLU,
 )
-_INPLACE_OPERATORS = frozenset(
-    [operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-     operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
-     operator.ixor, operator.ilshift, operator.irshift, operator.imatmul]
-)
+# Python's augmented assignments: on a tensor each writes its first argument (``a += b`` is ``a.add_(b)``);
+# concur's tracer records them as these operators (concur.fx.trace), fx's code generator writes them back as such
+AUGMENTED_ASSIGNMENTS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                         operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                         operator.irshift, operator.imatmul)
+_INPLACE_OPERATORS = frozenset([operator.setitem, *AUGMENTED_ASSIGNMENTS])
 
 
 @dataclass(frozen=True)

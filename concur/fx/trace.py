@@ -22,7 +22,6 @@ example input, and concurrency applies between them.
 
 from __future__ import annotations
 
-import operator
 import os
 import sys
 import traceback
@@ -33,6 +32,7 @@ from typing import Callable, Iterable, Literal, Union
 import torch
 import torch.fx as fx
 
+from concur.dag.annotate import AUGMENTED_ASSIGNMENTS
 from concur.errors import TRACEBACK_HINT, CaptureError, debug
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -73,16 +73,6 @@ def timm_notrace() -> tuple[tuple[type, ...], tuple[Callable, ...]]:
 _warned_timm: list[bool] = []  # the registry warning is given once per process
 
 
-# Python's augmented assignments and the operators fx records for them (its code generator writes each back as
-# ``a += b``): fx's own Proxy has none of these methods, so ``out += x`` would be traced as ``out = out + x``.
-_INPLACE_METHODS = {
-    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
-    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
-    "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor,
-    "__ilshift__": operator.ilshift, "__irshift__": operator.irshift, "__imatmul__": operator.imatmul,
-}
-
-
 class _InPlaceProxy(fx.Proxy):
     """A Proxy that records ``a += b`` as the in-place operation the model runs (``operator.iadd``).
 
@@ -90,8 +80,9 @@ class _InPlaceProxy(fx.Proxy):
     a new tensor where the model writes into ``out``: another name still holding
     ``out`` (``kept = out`` before the add) would not see the change eager
     PyTorch makes, a silently different result, and a residual add would cost a
-    buffer the model does not allocate. The DAG orders the write like any other
-    in-place op (:data:`concur.dag.annotate._INPLACE_OPERATORS`).
+    buffer the model does not allocate (fx's own Proxy has no ``__iadd__``). The
+    DAG orders the write like any other in-place op
+    (:data:`concur.dag.annotate.AUGMENTED_ASSIGNMENTS`).
     """
 
 
@@ -101,9 +92,9 @@ def _inplace_method(target: Callable) -> Callable:
     return method
 
 
-for _name, _target in _INPLACE_METHODS.items():
-    setattr(_InPlaceProxy, _name, _inplace_method(_target))
-del _name, _target
+for _target in AUGMENTED_ASSIGNMENTS:  # operator.iadd -> __iadd__, ...
+    setattr(_InPlaceProxy, f"__{_target.__name__}__", _inplace_method(_target))
+del _target
 
 
 class _ConcurTracer(fx.Tracer):
