@@ -4,7 +4,8 @@
 # compiles the recipe and concur's mode side by side with the other children and times the two in alternating
 # rounds under one GPU lock (as recipes.sh). Each concur mode measures its decisions with a cold cache, kept in
 # RUN_DIR/decisions/<config>/ for experiments/calibrate.py.
-#   bash experiments/zoo.sh RUN_DIR PART [NETWORK ...]   (PART below; each within ~9 minutes on one H100)
+#   bash experiments/zoo.sh RUN_DIR PART [NETWORK ...]   (PART below; on one H200 z23 took 8 minutes, z1 6, u1 and
+#                                                        u2 under 3 each, inductor's cache cold)
 #   z1 z2 z3   fused default (train_step(compile=True), 4 streams) against peer_compile_graph, a third of the
 #              timm zoo each
 #   z4         the same on torchvision's GoogLeNet, Inception-v3 and ResNet-50
