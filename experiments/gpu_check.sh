@@ -21,6 +21,9 @@
 #   setup      experiments/setup_cost.py, one setup at a time (setup times are wall times) for each of SETUP_SPECS
 #              ("MODEL BATCH STREAMS [--compile]" separated by ";"), SETUP_PAIRS pairs each (default 1): what the
 #              measured decisions add to setup; OUT/setup/setup.txt, OUT/setup/setup.jsonl
+#   host       python -m experiments.host_time --profile 10 for each of HOST_SPECS ("MODEL BATCH [--compile]" separated
+#              by ";", default "googlenet 8;resnet50 64 --compile"): a synced step's host time per call before its
+#              replay, concur against the recipe; OUT/host/host.txt, OUT/host/host.jsonl
 #   wrappers   golden wrappers + scheduler oracle (experiments/capture_wrappers.py) for GoogLeNet, Inception-v3
 #              and ResNet-50 in fp32 and bf16, 6 processes side by side; packed to OUT/wrappers/wrappers_cuda.tgz
 # DEADLINE (default 585 s) bounds the steps that run side by side, so what finished is written before the call's limit.
@@ -31,8 +34,8 @@ if [ "${1:-}" = --out ]; then [ -n "${2:-}" ] || usage; OUT=$2; shift 2; fi
 [ -n "${OUT:-}" ] || { echo "name the output folder: set OUT or pass --out DIR" >&2; usage; }
 [ $# -gt 0 ] || usage
 for step in "$@"; do  # every step known before any starts
-  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|wrappers) ;;
-    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup wrappers" >&2; exit 2 ;; esac
+  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|host|wrappers) ;;
+    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup host wrappers" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -100,6 +103,12 @@ for step in "$@"; do
                --batch "$b" --streams "$s" ${c:-} --pairs ${SETUP_PAIRS:-1} --json "$dir/setup.jsonl" 2>&1 \
                | grep -v Warning | tee -a "$dir/setup.txt"
            done ;;
+    host) IFS=';' read -ra specs <<< "${HOST_SPECS:-googlenet 8;resnet50 64 --compile}"
+          for spec in "${specs[@]}"; do
+            read -r m b c <<< "$spec"
+            timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 -m experiments.host_time --model "$m" \
+              --batch "$b" ${c:-} --profile 10 --json "$dir/host.jsonl" 2>&1 | grep -v Warning | tee -a "$dir/host.txt"
+          done ;;
     wrappers) for m in googlenet inception_v3 resnet50; do for p in fp32 bf16_cl; do
                 timeout 540 python3 -m experiments.capture_wrappers --device cuda --models $m --precisions $p \
                   --out "$dir/wrappers" > "$dir/capture_${m}_$p.log" 2>&1 &
