@@ -29,7 +29,11 @@ Given ``memory_budget`` (bytes; nodes carry ``bytes`` and ``held``, see
 `schedulers.stream_memory`), a node goes only to a stream where the sum of the
 streams' peaks of live bytes stays within the budget; where none does, to
 the stream that adds the least. Far from the program's peak of memory every
-stream fits, so the budget limits concurrency only near it.
+stream fits, so the budget limits concurrency only near it. With
+``training_memory=True`` the budget also covers a training step's backward
+(held outputs made on a side stream count again: `schedulers.stream_memory`),
+which keeps large saved activations on the caller's stream and lets side
+streams run the branches whose saved activations are small.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ def bottom_levels(dag: nx.DiGraph) -> dict[Hashable, float]:
 @register
 @with_trivial_attached
 def critical_path(
-    dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, memory_budget: int | None = None, **kw: object
+    dag: nx.DiGraph, num_streams: int, sync_cost: float = 1.0, memory_budget: int | None = None,
+    training_memory: bool = False, **kw: object
 ) -> Schedule:
     """Return a list schedule that runs the longest remaining path first, each node where it finishes first.
 
@@ -95,6 +100,17 @@ def critical_path(
     ([1, 1], [0, 0])
     >>> peak_bytes(dag, free.order, free.stream), peak_bytes(dag, kept.order, kept.stream)
     (16, 12)
+
+    With c1 and c2 saved for backward (``held``) one stream needs 16 bytes, and so does the program with
+    branch c on stream 1 (8 + 8). For training those 8 bytes count again (the caller's stream cannot reuse
+    them in backward): within 16 the branch stays on stream 0; within 24 it goes to stream 1.
+
+    >>> nx.set_node_attributes(dag, {"c1": True, "c2": True}, "held")
+    >>> forward = critical_path(dag, 2, sync_cost=0.0, memory_budget=16)
+    >>> training = critical_path(dag, 2, sync_cost=0.0, memory_budget=16, training_memory=True)
+    >>> roomy = critical_path(dag, 2, sync_cost=0.0, memory_budget=24, training_memory=True)
+    >>> [[s.stream[v] for v in ("c1", "c2")] for s in (forward, training, roomy)]
+    [[1, 1], [0, 0], [1, 1]]
     """
     check_dag(dag, num_streams)
     index = {v: i for i, v in enumerate(dag.nodes)}
@@ -104,7 +120,7 @@ def critical_path(
     ready = [(-priority[v], index[v], v) for v in dag.nodes if missing[v] == 0]
     heapq.heapify(ready)
 
-    memory = MemoryTracker(dag, num_streams) if memory_budget is not None else None
+    memory = MemoryTracker(dag, num_streams, training_memory) if memory_budget is not None else None
     free = [0.0] * num_streams
     finish: dict[Hashable, float] = {}
     stream: dict[Hashable, int] = {}

@@ -23,6 +23,15 @@ given ``memory_budget`` moves a node to another stream only where the sum
 of the streams' peaks stays within it. Memory is lowest where a node stays
 beside its inputs, and highest near the program's peak (every held output
 alive), so the budget limits concurrency there and nowhere else.
+
+A training step's peak comes after the program, at the start of backward,
+which frees the held outputs one by one and allocates the gradients: on one
+stream the gradients reuse the freed blocks, but a held output a side stream
+made is freed into that side stream's blocks, which the caller's stream (where
+the step's backward allocates) cannot reuse. With ``training=True`` the model
+counts such bytes twice: live on their side stream in the program, and again as
+what the caller's stream then needs beside them. Above, c1 and c2 held on
+stream 1 make the two-stream program need 16 + 8 = 24 bytes for training.
 """
 
 from __future__ import annotations
@@ -55,30 +64,49 @@ class MemoryTracker:
     >>> t.issue("c2", 1); t.issue("d", 0)
     >>> t.peak, t.total()
     ([8, 8], 16)
+
+    For a training step (``training=True``), held outputs made on a side stream count again:
+
+    >>> nx.set_node_attributes(dag, {"c1": True, "c2": True}, "held")
+    >>> t = MemoryTracker(dag, streams=2, training=True)
+    >>> for v, s in [("a", 0), ("b1", 0), ("c1", 1), ("b2", 0), ("c2", 1), ("d", 0)]:
+    ...     t.issue(v, s)
+    >>> t.peak, t.side_held, t.total()
+    ([8, 8], 8, 24)
     """
 
-    def __init__(self, dag: nx.DiGraph, streams: int):
+    def __init__(self, dag: nx.DiGraph, streams: int, training: bool = False):
         self.dag = dag
+        self.training = training
         self.live = [0] * streams
         self.peak = [0] * streams
+        self.side_held = 0  # for training: the bytes of held outputs made on side streams
         self._stream: dict[Hashable, int] = {}
         self._waiting = {v: dag.out_degree(v) for v in dag.nodes}  # successors not yet issued
         self._unissued = sum(node_bytes(dag, v) for v in dag.nodes)  # bytes of the nodes not yet issued
         self._program: list[Hashable] | None = None  # program order, made where a look-ahead first needs it
 
     def total(self) -> int:
-        """The program's bytes so far: the sum of the streams' peaks."""
-        return sum(self.peak)
+        """The program's bytes so far: the sum of the streams' peaks, and for training the side streams' held
+        bytes again."""
+        return sum(self.peak) + (self.side_held if self.training else 0)
 
     def total_if(self, v: Hashable, stream: int) -> int:
-        """The sum of the streams' peaks were ``v`` issued on ``stream`` next (nothing is changed)."""
+        """:meth:`total` were ``v`` issued on ``stream`` next (nothing is changed)."""
         grown = max(self.peak[stream], self.live[stream] + node_bytes(self.dag, v))
-        return self.total() - self.peak[stream] + grown
+        return self.total() - self.peak[stream] + grown + self._stranded(v, stream)
+
+    def _stranded(self, v: Hashable, stream: int) -> int:
+        """The bytes issuing ``v`` on ``stream`` leaves the caller's stream without in a training step's backward."""
+        if not self.training or stream == 0 or not self.dag.nodes[v].get("held"):
+            return 0
+        return node_bytes(self.dag, v)
 
     def copy(self) -> "MemoryTracker":
         """A tracker in the same state, to try a continuation on."""
         other = MemoryTracker.__new__(MemoryTracker)
         other.dag, other.live, other.peak = self.dag, list(self.live), list(self.peak)
+        other.training, other.side_held = self.training, self.side_held
         other._stream, other._waiting = dict(self._stream), dict(self._waiting)
         other._unissued, other._program = self._unissued, self._program
         return other
@@ -92,7 +120,7 @@ class MemoryTracker:
         """
         if self.total_if(v, stream) > budget:
             return False
-        if self.total() + self._unissued <= budget:
+        if self.total() + self._unissued + self._stranded(v, stream) <= budget:
             return True  # everything left fits even if nothing were ever freed
         if self._program is None:
             self._program = insertion_order(self.dag)
@@ -109,6 +137,7 @@ class MemoryTracker:
     def issue(self, v: Hashable, stream: int) -> None:
         """Issue ``v`` on ``stream``: its outputs become live there; inputs whose last reader it is are freed."""
         self._stream[v] = stream
+        self.side_held += self._stranded(v, stream)
         self._unissued -= node_bytes(self.dag, v)
         self.live[stream] += node_bytes(self.dag, v)
         self.peak[stream] = max(self.peak[stream], self.live[stream])

@@ -3,6 +3,7 @@ budget the plan keeps to (concur.dag.memory_budget), on CPU against the plan sch
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -151,3 +152,45 @@ def test_a_budget_of_one_streams_memory_limits_concurrency_near_the_peak_and_kee
     assert peak_bytes(dag, loose.order, loose.stream) > one + dag_memory.FLOOR >= \
         peak_bytes(dag, tight.order, tight.stream)
     assert (loose.stream["c1"], loose.stream["c2"]) == (1, 1) and (tight.stream["c1"], tight.stream["c2"]) == (1, 0)
+
+
+class UnevenTowers(nn.Module):
+    """Two wide towers and a narrow one on a stem: the wide ones save large activations for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 64)
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(64, w), nn.Tanh(), nn.Linear(w, 64)) for w in (512, 512, 4))
+        self.head = nn.Linear(192, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
+
+
+def test_a_plan_for_trainings_memory_keeps_large_saved_activations_on_the_callers_stream(monkeypatch):
+    """``memory_model="training"``: the wide towers' saved activations stay on stream 0, the narrow tower runs
+    beside them; outputs and gradients equal the model's. The forward's budget alone puts a wide tower on a side
+    stream."""
+    monkeypatch.setattr(dag_memory, "FLOOR", 0)
+    torch.manual_seed(0)
+    model = UnevenTowers().double().train()
+    x = torch.randn(8, 6, dtype=torch.double)
+    wide = {f"towers_{i}_{j}" for i in range(2) for j in range(2)}  # the wide Linear outputs and their Tanh
+    on_side = lambda m: {v for v, s in m.schedule.stream.items() if s}  # noqa: E731
+    forward = concur.optimize(model, (x,), streams=4, measure=False)
+    training = concur.optimize(model, (x,), streams=4, measure=False, memory_model="training")
+    assert on_side(forward) & wide
+    assert not on_side(training) & wide and any(v.startswith("towers_2") for v in on_side(training))
+    expected = model(x)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    out = training(x)
+    out.sum().backward()
+    assert torch.equal(out, expected) and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_an_unknown_memory_model_is_refused():
+    with pytest.raises(ValueError, match="memory_model must be one of"):
+        concur.optimize(TwoTowers(), (torch.randn(2, 16),), memory_model="backward")

@@ -50,6 +50,24 @@ def test_a_diamond_whose_branches_do_not_fit_side_by_side_keeps_them_on_one_stre
     assert roomy == unbounded, "concurrency where it fits is kept"
 
 
+def test_for_training_a_side_stream_gets_the_branch_whose_saved_outputs_are_small():
+    """Two branches beside a trunk, one saving 40 bytes for backward and one 2. In the program alone both fit
+    beside the trunk; for training, what a side stream saves counts again (its freed blocks are lost to the
+    caller's stream in backward), so within 1.05x of one stream only the small branch leaves stream 0."""
+    dag = nx.DiGraph([("a", "t"), ("t", "z"), ("a", "w"), ("w", "z"), ("a", "n"), ("n", "z")])
+    nx.set_node_attributes(dag, 5.0, "cost")
+    nx.set_node_attributes(dag, {"a": 1, "t": 40, "w": 40, "n": 2, "z": 1}, "bytes")
+    nx.set_node_attributes(dag, {"t": True, "w": True, "n": True}, "held")
+    budget = memory_budget(one_stream_peak(dag))
+    forward = critical_path(dag, 3, sync_cost=0.0, memory_budget=budget)
+    training = critical_path(dag, 3, sync_cost=0.0, memory_budget=budget, training_memory=True)
+    assert validate(dag, training) == []
+    assert forward.stream["w"] != 0 and forward.stream["n"] != 0, "the program alone fits both beside the trunk"
+    assert training.stream["w"] == 0 and training.stream["n"] != 0
+    side_held = sum(dag.nodes[v]["bytes"] for v in dag if dag.nodes[v].get("held") and training.stream[v])
+    assert peak_bytes(dag, training.order, training.stream) + side_held <= budget
+
+
 def test_concurrency_is_limited_near_the_peak_and_kept_away_from_it():
     """An early fork of small tensors and a late fork of large ones (the start of backward, where every saved
     activation is alive, is such a place): the budget serializes the late fork only."""

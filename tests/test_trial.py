@@ -21,7 +21,9 @@ import torch
 import concur
 import concur.fx.decision as fx_decision
 import concur.training.step as train_mod
-from concur.training import capture as capture_mod, trial as trial_mod
+from concur.dag import memory_budget
+from concur.training import rungs, trial as trial_mod
+from concur.training.rungs import TrainingMemory
 from tests.test_step_habits import EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model, plain_loop
 
 
@@ -322,8 +324,9 @@ def test_where_the_predicted_program_alone_does_not_fit_either_the_step_runs_one
 
     with pytest.warns(UserWarning, match="does not fit in memory .*2.00 GiB"):
         step = trial_run(monkeypatch, OutOfMemoryTwice(one_ms=1.0, streams_ms=1.2))
-    assert step.failed_streams == {4} and step.status.streams == 1 and step.status.captured
-    # two towers: the plan asked for on 4 streams runs on 2, so 2 streams would not be narrower
+    assert step.failed_streams == {4, TrainingMemory(4)} and step.status.streams == 1 and step.status.captured
+    # two towers: the plan asked for on 4 streams runs on 2, so 2 streams would not be narrower; planned for
+    # training's memory it is the same plan (its bytes are far below the budget's floor), given up uncaptured
     assert 2 not in step.modules and step.module is step.modules[1]
 
 
@@ -373,8 +376,59 @@ def test_where_2_streams_do_not_fit_either_the_step_runs_one_and_one_warning_say
     assert "4 streams does not fit in memory (an allocation of 4.00 MiB" in said
     assert "2 streams does not fit in memory (an allocation of 2.00 MiB" in said
     assert said.endswith("running it on 1 stream instead, for this and later input shapes.")
-    assert step.failed_streams == {4, 2} and step.status.streams == 1 and step.module is step.modules[1]
+    assert step.failed_streams == {4, 2, TrainingMemory(4)} and step.status.streams == 1
+    assert step.module is step.modules[1]
     assert runner.tried[-1] == 1
+    # the towers' saved activations are far below the budget's floor: planned for training's memory, 4 streams
+    # plan what did not fit on 4, and that rung is not captured
+    assert TrainingMemory(4) not in runner.tried and TrainingMemory(4) not in step.modules
+
+
+class UnevenTowers(torch.nn.Module):
+    """Three wide towers and a narrow one: the wide ones save large activations for backward, the narrow one
+    small ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(6, 64)
+        self.towers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.Tanh(),
+                                                              torch.nn.Linear(width, 64)) for width in (512, 512, 512, 4))
+        self.head = torch.nn.Linear(256, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
+
+
+def uneven_towers(seed=0):
+    torch.manual_seed(seed)
+    return UnevenTowers().double()
+
+
+def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_saved_activations(monkeypatch):
+    """Out of memory on 4 streams and on 2, an unfused step plans its 4 streams for training's memory: the wide
+    towers' saved activations stay on the caller's stream (a side stream's freed blocks would be lost to the
+    backward's allocations there), the narrow tower runs beside them. One warning says what each rung missed
+    and what runs; the run equals the plain loop."""
+    monkeypatch.setattr(memory_budget, "FLOOR", 0)  # the towers' bytes are far below the allocator's segments
+    runner = OutOfMemoryOn({4, 2}, one_ms=1.0, streams_ms=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = trial_run(monkeypatch, runner, model_fn=uneven_towers, n=40)
+    (said,) = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+    # the 4-stream module planned 3 (the towers and the stem's share); then 2
+    assert "3 streams does not fit in memory" in said and "2 streams does not fit in memory" in said
+    assert said.endswith("running it on 4 streams planned for training's memory instead, for this and later "
+                         "input shapes."), said
+    lean = TrainingMemory(4)
+    assert step.failed_streams == {4, 2} and step.module is step.modules[lean] and runner.tried[-1] == lean
+    schedule = step.module.schedule
+    on_side = {v for v, s in schedule.stream.items() if s}
+    assert schedule.num_streams > 1 and any(v.startswith("towers_3") for v in on_side), on_side
+    wide_saved = {f"towers_{i}_{j}" for i in range(3) for j in range(2)}  # wide Linear outputs and their Tanh
+    assert not on_side & wide_saved, on_side & wide_saved
+    status = step.status
+    assert status.captured and status.streams == schedule.num_streams and "does not fit in memory" in status.why
 
 
 def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_to_one_stream(monkeypatch):
@@ -389,16 +443,19 @@ def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_t
     runner = Invalidated({4}, one_ms=1.0, streams_ms=0.8)
     with pytest.warns(UserWarning, match="capturing the step on 4 streams failed 2 times"):
         step = trial_run(monkeypatch, runner, model_fn=four_towers)
-    assert 2 not in runner.tried and step.failed_streams == {4} and step.status.streams == 1
+    assert 2 not in runner.tried and TrainingMemory(4) not in runner.tried
+    assert step.failed_streams == {4} and step.status.streams == 1
 
 
-@pytest.mark.parametrize("asked, compiled, rungs", [
-    (4, False, [4, 2, 1]), (3, False, [3, 2, 1]), ("auto", False, ["auto", 2, 1]), (2, False, [2, 1]),
+@pytest.mark.parametrize("asked, compiled, expected", [
+    (4, False, [4, 2, TrainingMemory(4), 1]), (3, False, [3, 2, TrainingMemory(3), 1]),
+    ("auto", False, ["auto", 2, TrainingMemory("auto"), 1]), (2, False, [2, TrainingMemory(2), 1]),
     (1, False, [1]), (4, True, [4, 1]), ("auto", True, ["auto", 1])])
-def test_the_stream_counts_a_step_tries_where_memory_runs_out(asked, compiled, rungs):
-    """A compiled step narrows its backward in the same module instead: a new stream count would compile again."""
+def test_the_rungs_a_step_tries_where_memory_runs_out(asked, compiled, expected):
+    """A compiled step narrows its backward in the same module instead: a new module would compile again."""
     step = types.SimpleNamespace(requested_streams=asked, compile=compiled)
-    assert capture_mod.stream_rungs(step) == rungs
+    assert rungs.stream_rungs(step) == expected
+    assert rungs.describe(TrainingMemory(4)) == "4 streams planned for training's memory"
 
 
 def test_a_new_plan_after_the_model_changed_is_timed_on_the_calls_after_it(monkeypatch):

@@ -90,7 +90,7 @@ class TimedRounds(list):
 
 
 def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_us: float | None = None,
-                   memory_budget: int | None = None) -> schedulers.Schedule:
+                   memory_budget: int | None = None, training_memory: bool = False) -> schedulers.Schedule:
     """Return ``dag`` scheduled on up to ``streams`` streams, in clusters worth ``cluster_cost_us`` each.
 
     Fused kernels come by the hundred around a few heavy ones, so the
@@ -99,7 +99,9 @@ def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_u
     cluster schedule back; ``None`` schedules node by node (the fx path,
     whose code generator places each op's events itself). With
     ``memory_budget`` (bytes, :mod:`concur.dag.memory_budget`) the critical-path
-    scheduler keeps the streams' memory within it (:mod:`schedulers.stream_memory`).
+    scheduler keeps the streams' memory within it (:mod:`schedulers.stream_memory`); with
+    ``training_memory`` the budget covers a training step's backward too (saved activations a side stream
+    made count again: the caller's stream cannot reuse them).
     On one stream the schedule is the program's order (:func:`schedulers.serial`).
     """
     if streams <= 1:
@@ -108,7 +110,8 @@ def schedule_graph(dag: nx.DiGraph, streams: int, scheduler: str, cluster_cost_u
         # program's order leaves in L2 (on the H200, unfused GoogLeNet b64's BatchNorm statistics ran 10%
         # slower in a critical-path order, the step 1.2% slower than the recipe).
         return schedulers.schedule(dag, 1, "serial")
-    kw = {} if memory_budget is None or scheduler != "critical_path" else {"memory_budget": memory_budget}
+    kw = {} if memory_budget is None or scheduler != "critical_path" else \
+        {"memory_budget": memory_budget, "training_memory": training_memory}
     if cluster_cost_us is None:
         return schedulers.schedule(dag, streams, scheduler, **kw)
     coarse = schedulers.coarsen(dag, min_cost=cluster_cost_us)
@@ -123,8 +126,8 @@ def stream_counts(streams: int | str | Sequence[int]) -> tuple[int, ...]:
 
 
 def distinct_schedules(dag: nx.DiGraph, counts: Sequence[int], scheduler: str,
-                       cluster_cost_us: float | None = None, memory_budget: int | None = None
-                       ) -> list[schedulers.Schedule]:
+                       cluster_cost_us: float | None = None, memory_budget: int | None = None,
+                       training_memory: bool = False) -> list[schedulers.Schedule]:
     """Return :func:`schedule_graph` of ``dag`` on each of ``counts`` streams, schedules that coincide once.
 
     The candidates :func:`choose` weighs: a graph of two branches schedules
@@ -132,7 +135,7 @@ def distinct_schedules(dag: nx.DiGraph, counts: Sequence[int], scheduler: str,
     """
     distinct: dict[tuple, schedulers.Schedule] = {}
     for k in counts:
-        s = schedule_graph(dag, k, scheduler, cluster_cost_us, memory_budget)
+        s = schedule_graph(dag, k, scheduler, cluster_cost_us, memory_budget, training_memory)
         distinct.setdefault((tuple(s.order), tuple(sorted(s.stream.items(), key=repr))), s)
     return list(distinct.values())
 

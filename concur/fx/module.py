@@ -28,6 +28,8 @@ from concur.fx.plan import Plan, analyse, cuda_device, device_name, generate_pla
 __all__ = ["ConcurModule", "optimize", "Inspection", "inspect"]
 
 FALLBACKS = ("error", "eager")
+# what a plan's memory budget covers: the forward program's streams, or a training step's backward too
+MEMORY_MODELS = ("forward", "training")
 # measure=DEFERRED: where a new decision is to be timed, the caller times it (train_step's first steps), see
 # ConcurModule.pending_choice
 DEFERRED = "deferred"
@@ -64,12 +66,12 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                  cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False,
-                 measure: bool | str = True):
+                 measure: bool | str = True, memory_model: str = "forward"):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
                                  else tuple(leaf_modules), split_weight_grads=split_weight_grads,
-                                 measure=measure))
+                                 measure=measure, memory_model=memory_model))
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
@@ -126,7 +128,8 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         prologue, scheduled = split_prologue(dag)
         budget = plan_budget(scheduled, cuda_device(self.original, inputs))
         schedules = decide.distinct_schedules(scheduled, decide.stream_counts(o["streams"]), o["scheduler"],
-                                              memory_budget=budget)
+                                              memory_budget=budget,
+                                              training_memory=o.get("memory_model") == "training")
         candidates = [s for s in schedules if s.num_streams > 1]
         if not candidates:
             return generate_plan(self.original, traced, dag, prologue, schedules[0], o["split_weight_grads"])
@@ -273,7 +276,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
              leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
-             measure: bool | str = True) -> nn.Module:
+             measure: bool | str = True, memory_model: str = "forward") -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -311,17 +314,30 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     split layer records three autograd nodes instead of one, about 0.1 ms
     more host time per layer and step (GoogLeNet, 58 layers: +10 ms per
     forward and backward on a CPU), which only a graph replay does not pay.
+
+    A plan keeps its memory within a budget: 1.05 times the one-stream
+    program's peak, and never more than the device has free
+    (:mod:`concur.dag.memory_budget`). ``memory_model="forward"`` (the
+    default) counts the forward program's streams: a block a stream freed
+    serves only that stream again. ``"training"`` also counts what a training
+    step's backward needs: an activation saved on a side stream is freed into
+    that stream's blocks, which the backward's allocations on the caller's
+    stream cannot reuse, so side streams get only the branches whose saved
+    activations fit (:func:`concur.train_step` tries it where the forward's
+    budget did not fit in memory).
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if measure not in (True, False, DEFERRED):
         raise ValueError(f"measure must be True, False or {DEFERRED!r}, got {measure!r}")
+    if memory_model not in MEMORY_MODELS:
+        raise ValueError(f"memory_model must be one of {MEMORY_MODELS}, got {memory_model!r}")
     example_inputs = _check_inputs(model, example_inputs, streams)
     if scheduler not in schedulers.SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
     try:
         return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads,
-                            measure)
+                            measure, memory_model)
     except CaptureError as exc:
         if fallback == "eager":
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",

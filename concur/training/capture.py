@@ -15,7 +15,8 @@ a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
 programs down, to 2 streams, then with aten's calls on the caller's stream,
 then to one (the step's peak is at the start of backward); an unfused step
-on more than 2 streams tries 2. Where that does not fit, it falls back to
+on more than 2 streams tries 2, then its streams planned for training's
+memory (:mod:`concur.training.rungs`). Where that does not fit, it falls back to
 one stream, for this and later input shapes, and then to eager execution;
 one warning says what was missing and what runs instead. What the failed
 attempt held (its module, graphs, pool and cached blocks) is given back
@@ -41,12 +42,13 @@ from concur.training import captured_optim
 from concur.training.gradients import StepGradients, optimized_parameters
 from concur.training.graph_runner import Captured
 from concur.training.out_of_memory import is_out_of_memory, shortfall
+from concur.training.rungs import Rung, TrainingMemory, describe, stream_rungs
 from concur.training.snapshot import Snapshot
 from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
 from concur.training.trial import StepTrial
 
-__all__ = ["CapturingStep", "capture_with_fallback", "stream_rungs", "capture", "capture_programs", "graph_limit"]
+__all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
 
 
 class CapturingStep(Protocol):
@@ -77,7 +79,7 @@ class CapturingStep(Protocol):
     _gradients: StepGradients
     _batches: Any  # BatchChecks, which takes the step too
 
-    def _module(self, streams: int | str) -> nn.Module: ...
+    def _module(self, streams: Rung) -> nn.Module: ...
 
     def _warn_once(self, message: str) -> None: ...
 
@@ -102,9 +104,10 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     what it held is given back. One that runs out of memory is not: a
     compiled step first takes its backward graphs' multi-stream programs
     down a step at a time, capturing again after each (:func:`_capture_on`);
-    an unfused step on more than 2 streams tries 2 (:func:`stream_rungs`).
-    Where that does not fit either, the step drops to one stream. Each stream
-    count that failed is not tried again, for this and later input shapes;
+    an unfused step on more than 2 streams tries 2, then its streams planned
+    for training's memory (:func:`concur.training.rungs.stream_rungs`).
+    Where that does not fit either, the step drops to one stream. Each rung
+    that failed is not tried again, for this and later input shapes;
     one warning says how much memory was missing and what runs instead.
     Eager execution is the last resort, with a warning that says why and how
     to capture again.
@@ -112,20 +115,24 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
     log = step.capture_log
     missed: list[str] = []  # what each stream count out of memory missed, in the order tried
-    why, widest = "", None
+    why, widest, only_memory, failed_plans = "", None, True, set()
     for streams in stream_rungs(step):
-        if streams in step.failed_streams or (streams != 1 and widest is not None and streams >= widest):
+        if streams in step.failed_streams or _no_narrower(streams, widest, only_memory):
             continue  # failed before; or no narrower than the program that just did not fit
+        if isinstance(streams, TrainingMemory) and _plans_nothing_new(step, streams, failed_plans):
+            step.failed_streams.add(streams)  # its plan is one stream, or one that did not fit: given up, as one
+            continue                          # that failed, for this and later input shapes
         captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
             if missed:
-                step._warn_once(f"concur.train_step: {'; '.join(missed)}; running it on {_streams(streams)} "
+                step._warn_once(f"concur.train_step: {'; '.join(missed)}; running it on {describe(streams)} "
                                 "instead, for this and later input shapes.")
             _keep(step, key, captured)
             return captured
         if streams == 1:
             break
         widest = _program_width(step, streams)
+        failed_plans.add(_schedule_of(step, streams))
         # free the module (and the compiled code) that did not fit or cannot be captured
         step.failed_streams.add(streams)
         step.modules.pop(streams, None)
@@ -133,13 +140,14 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         step._runner.failed()
         if not step.graphs:  # the side streams' cuBLAS workspaces, where no graph replays into them
             compat.clear_cublas_workspaces()
-        on = _streams(widest or streams)
+        on = describe(streams if isinstance(streams, TrainingMemory) else widest or streams)
         fallback = (f"the step on {on} does not fit in memory ({why})" if memory else
                     f"capturing the step on {on} failed {attempt} times ({why})")
         log.fallbacks.append(fallback)
         missed.append(fallback)
         if not memory:
             widest = 2  # a failure memory does not explain: fewer side streams would not help, one stream may
+            only_memory = False
     log.fallbacks.append(f"capturing the step on 1 stream failed ({why})")
     step._warn_once(f"concur.train_step: {''.join(m + '; ' for m in missed)}capturing the step on 1 stream failed "
                     f"({why}); this input shape runs eagerly, every kernel launched from Python (slower). Once the "
@@ -149,24 +157,44 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     return None
 
 
-def stream_rungs(step: CapturingStep) -> list[int | str]:
-    """The stream counts ``step`` tries in turn, where a capture runs out of memory: the one asked for, then
-    2 for an unfused step asked for more (or ``"auto"``), then 1.
+def _no_narrower(rung: Rung, widest: int | None, only_memory: bool) -> bool:
+    """Whether ``rung`` would need no less than the program that just did not fit (``widest`` streams).
 
-    Each side stream keeps the blocks it allocated apart from the others
-    (the caching allocator gives a block back only to its own stream), so
-    two streams need less than four. The rung is skipped where the program
-    that did not fit ran on 2 streams already (an ``"auto"`` plan, a network
-    of two branches). A compiled step does not take it: it takes its
-    backward graphs down in the same compiled module (:func:`_narrow`), where
-    a new stream count would compile the model again.
+    A stream count no lower than it would not; a plan for training's memory
+    would, unless a failure memory does not explain came first (fewer side
+    streams would not help it); one stream is always tried.
     """
-    asked = step.requested_streams
-    wider = not step.compile and (asked == "auto" or (isinstance(asked, int) and asked > 2))
-    return list(dict.fromkeys([asked, *([2] if wider else []), 1]))
+    if rung == 1:
+        return False
+    if isinstance(rung, TrainingMemory):
+        return not only_memory
+    return widest is not None and isinstance(rung, int) and rung >= widest
 
 
-def _program_width(step: CapturingStep, streams: int | str) -> int | None:
+def _plans_nothing_new(step: CapturingStep, rung: TrainingMemory, failed_plans: set) -> bool:
+    """Whether ``rung``'s module plans one stream, or a schedule that already did not fit (a small model
+    whose saved activations all fit the budget); such a module is dropped. Where planning itself fails, the
+    capture says why."""
+    try:
+        step._module(rung)
+    except Exception:  # noqa: BLE001 - out of memory while planning, say: _capture_on meets it again, and tells
+        return False
+    if _program_width(step, rung) == 1 or _schedule_of(step, rung) in failed_plans:
+        step.modules.pop(rung, None)
+        return True
+    return False
+
+
+def _schedule_of(step: CapturingStep, rung: Rung) -> tuple | None:
+    """The schedule the unfused module of ``rung`` runs, as a comparable value; None where there is none."""
+    try:
+        s = step.modules[rung].schedule
+    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
+        return None
+    return tuple(s.order), tuple(sorted(s.stream.items(), key=repr))
+
+
+def _program_width(step: CapturingStep, streams: Rung) -> int | None:
     """How many streams the unfused module on ``streams`` ran (an ``"auto"`` module picks its own), where known."""
     try:
         return step.modules[streams].schedule.num_streams
@@ -174,11 +202,7 @@ def _program_width(step: CapturingStep, streams: int | str) -> int | None:
         return streams if isinstance(streams, int) else None
 
 
-def _streams(n: int | str) -> str:
-    return "1 stream" if n == 1 else f"{n} streams" if isinstance(n, int) else f"streams={n!r}"  # "auto", unplanned
-
-
-def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
                 phase: tuple[bool, bool]) -> tuple[Captured | None, str, bool, int]:
     """Capture ``key``'s graph with the module on ``streams``; return (the graph or None, why the last attempt
     failed, whether it ran out of memory, attempts made).
@@ -227,7 +251,7 @@ def _backward_on(how: str) -> str:
     return f"its backward graphs run {how}"
 
 
-def _narrow(step: CapturingStep, streams: int | str, why: str) -> str:
+def _narrow(step: CapturingStep, streams: Rung, why: str) -> str:
     """Where the compiled step on ``streams`` ran out of memory, take its backward graphs' multi-stream programs
     a step down (:meth:`concur.inductor.stream_backend.ConcurBackend.narrow_plans`) and log it; return what they
     run now, in words, or "" where nothing changed (an unfused step, which drops to its one-stream module; no
@@ -254,7 +278,7 @@ def _keep(step: CapturingStep, key: tuple, captured: Captured) -> None:
     step.warmed_keys.add(key)
 
 
-def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
                            phase: tuple[bool, bool]) -> Captured:
     """Capture ``key``'s graph; where a decision is left to the first calls, capture every program and start
     their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
@@ -282,7 +306,7 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
     return capture(step, inputs, targets, streams, phase, warmup=1 if key in step.warmed_keys else None)
 
 
-def trial_choice(step: CapturingStep, streams: int | str) -> PendingChoice | None:
+def trial_choice(step: CapturingStep, streams: Rung) -> PendingChoice | None:
     """The decision ``step``'s first calls time (:mod:`concur.training.trial`), where this capture starts it:
     the first capture of a module whose plan has one pending (a first call, a model changed since), while no
     other trial runs."""
@@ -291,7 +315,7 @@ def trial_choice(step: CapturingStep, streams: int | str) -> PendingChoice | Non
     return getattr(step._module(streams), "pending_choice", lambda: None)()
 
 
-def capture_trial(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: int | str,
+def capture_trial(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
                   phase: tuple[bool, bool], choice: PendingChoice) -> StepTrial:
     """Capture the step once with each of ``choice``'s programs, one stream first; return their trial.
 
@@ -327,7 +351,7 @@ def backward_from_none(step: CapturingStep, module: nn.Module, inputs: tuple, ta
     return reached
 
 
-def capture(step: CapturingStep, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
+def capture(step: CapturingStep, inputs: tuple, targets: Any, streams: Rung, phase: tuple[bool, bool],
             warmup: int | None = None) -> Captured:
     """Warm up on the side stream, capture, and put back what warm-up changed; return the captured graph.
 
@@ -338,7 +362,7 @@ def capture(step: CapturingStep, inputs: tuple, targets: Any, streams: int, phas
                             [step.warmup if warmup is None else warmup])[0]
 
 
-def capture_programs(step: CapturingStep, inputs: tuple, targets: Any, streams: int, phase: tuple[bool, bool],
+def capture_programs(step: CapturingStep, inputs: tuple, targets: Any, streams: Rung, phase: tuple[bool, bool],
                      plans: list[Any], warmups: list[int]) -> list[Captured]:
     """Warm up each of ``plans`` (None: the module's own), then capture each; put back what warm-up changed.
 

@@ -28,6 +28,7 @@ import torch
 from concur import _torch_compat as compat
 from concur.dag.annotate import tensors_in
 from concur.dag.measure import alternating_replays, can_time, captures_into, capturing, settle_failed_captures
+from concur.training.rungs import Rung
 
 __all__ = ["Captured", "CudaGraphRunner", "EventTiming", "batch_tensors", "graph_runner"]
 
@@ -37,13 +38,13 @@ HIGHEST_PRIORITY = -100
 
 @dataclass
 class Captured:
-    """One captured step: its graph, the static tensors it reads and writes, and how many streams it runs on."""
+    """One captured step: its graph, the static tensors it reads and writes, and the rung whose module it ran."""
 
     graph: Any  # torch.cuda.CUDAGraph, or the CPU tests' emulation
     static_inputs: tuple
     static_targets: Any
     static_loss: torch.Tensor
-    streams: int
+    streams: Rung  # the step's module of that rung ran it (its plan says on how many streams)
     grads: dict = field(default_factory=dict)  # parameter -> the gradient tensor the graph writes
     # the static inputs' and targets' tensors in order, each call's batch is copied into: made once here
     static_batch: list = field(init=False)

@@ -51,7 +51,8 @@ from concur.training import captured_optim
 from concur.training.arguments import as_tuple as _as_tuple, check_arguments, check_optimizer, check_streams, \
     make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
-from concur.training.capture import capture_with_fallback, stream_rungs
+from concur.training.capture import capture_with_fallback
+from concur.training.rungs import Rung, TrainingMemory, stream_rungs
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
@@ -106,7 +107,7 @@ class TrainStep:
         self._example = _as_tuple(inputs)  # plans for other stream counts are built from it
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
-        self.failed_streams: set[int] = set()  # stream counts whose capture failed: not tried again
+        self.failed_streams: set[Rung] = set()  # rungs whose capture failed: not tried again
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
         self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
@@ -231,11 +232,11 @@ class TrainStep:
     @property
     def module(self) -> nn.Module:
         """The concurrent module the step runs: the requested stream count's, or, where that did not fit in
-        memory or could not be captured, the count it fell back to (:func:`concur.training.capture.stream_rungs`)."""
+        memory or could not be captured, the rung it fell back to (:func:`concur.training.rungs.stream_rungs`)."""
         ran = [s for s in stream_rungs(self) if s not in self.failed_streams and s in self.modules]
         return self._module(ran[0] if ran else self.requested_streams)
 
-    def _module(self, streams: int | str) -> nn.Module:
+    def _module(self, streams: Rung) -> nn.Module:
         if streams not in self.modules:
             if self.compile:
                 # dynamic=False: a new batch size gets its own static graph, as CUDA graphs need
@@ -243,12 +244,15 @@ class TrainStep:
                                                  **self.compile_options)
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
+                training = isinstance(streams, TrainingMemory)  # a rung planned within training's memory
                 # the runs that annotate and time the plan: on setup's stream, in the step's precision
                 with self.setup_stream(), self._body.autocast(self._example):
-                    self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
+                    self.modules[streams] = api.optimize(self.model, self._example,
+                                                         streams=streams.streams if training else streams,
                                                          scheduler=self.scheduler,
                                                          split_weight_grads=self.split_weight_grads,
-                                                         measure=api.DEFERRED if self._can_trial() else True)
+                                                         measure=api.DEFERRED if self._can_trial() else True,
+                                                         memory_model="training" if training else "forward")
         return self.modules[streams]
 
     def _can_trial(self) -> bool:
