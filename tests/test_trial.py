@@ -429,6 +429,8 @@ def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_
     assert not on_side & wide_saved, on_side & wide_saved
     status = step.status
     assert status.captured and status.streams == schedule.num_streams and "does not fit in memory" in status.why
+    assert str(status).startswith(f"captured, {schedule.num_streams} streams")
+    assert status.why.endswith("; running 4 streams planned for training's memory"), status.why
 
 
 def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_to_one_stream(monkeypatch):

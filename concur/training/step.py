@@ -52,7 +52,7 @@ from concur.training.arguments import as_tuple as _as_tuple, check_arguments, ch
     make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
 from concur.training.capture import capture_with_fallback
-from concur.training.rungs import Rung, TrainingMemory, stream_rungs
+from concur.training.rungs import Rung, TrainingMemory, describe, stream_rungs
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
@@ -222,6 +222,8 @@ class TrainStep:
         """Why ``captured`` runs ``streams`` streams where more were asked for; "" where it runs what was asked."""
         narrowed = self.compile and getattr(self.backends.get(captured.streams), "narrowed", False)
         if (captured.streams != self.requested_streams or narrowed) and self.capture_log.fallbacks:
+            if isinstance(captured.streams, TrainingMemory):  # as many streams as asked, maybe: say which plan
+                return f"{self.capture_log.fallbacks[-1]}; running {describe(captured.streams)}"
             return self.capture_log.fallbacks[-1]
         asked = self.requested_streams
         if streams == 1 and (asked == "auto" or asked > 1):
