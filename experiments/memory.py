@@ -237,8 +237,10 @@ def _streams_kept(step: Any) -> dict:
         found.update(mode=status.mode, streams=status.streams, why=status.why, captures=status.captures,
                      capture_failures=status.failures, recovered=status.recovered,
                      fallbacks=list(status.fallbacks))
+    from concur.training.rungs import plain  # a concur step's process: concur is loaded already
+
     graphs = getattr(step, "graphs", None) or {}
-    found["graph_streams"] = sorted({getattr(c, "streams", None) for c in graphs.values()}, key=str)
+    found["graph_streams"] = sorted({plain(getattr(c, "streams", None)) for c in graphs.values()}, key=str)
     # a compiled step's forward and backward graphs: under memory pressure its backward runs fewer streams
     compiled = [g for b in (getattr(step, "backends", None) or {}).values() for g in getattr(b, "graphs", ())]
     if compiled:

@@ -270,6 +270,15 @@ def test_how_the_step_runs_comes_from_its_status_and_the_graphs_streams_beside_i
     assert "status" not in memory._streams_kept(types.SimpleNamespace(graphs=graphs))
 
 
+def test_a_graph_of_the_rung_for_trainings_memory_is_written_in_words():
+    """The row is JSON: a graph captured on the rung planned for training's memory names it in words."""
+    from concur.training.rungs import TrainingMemory
+
+    graphs = {"a": types.SimpleNamespace(streams=TrainingMemory(4)), "b": types.SimpleNamespace(streams=2)}
+    kept = memory._streams_kept(types.SimpleNamespace(graphs=graphs))
+    assert json.loads(json.dumps(kept))["graph_streams"] == [2, "4 streams planned for training's memory"]
+
+
 def test_a_compiled_steps_row_has_its_forward_and_backward_graphs_streams_and_the_table_shows_a_narrowed_one():
     """Under memory pressure a compiled step's backward runs fewer streams than its forward: the row and the
     table say so."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Union
 
-__all__ = ["TrainingMemory", "Rung", "stream_rungs", "describe"]
+__all__ = ["TrainingMemory", "Rung", "stream_rungs", "describe", "plain"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +60,8 @@ def describe(rung: Rung) -> str:
     if isinstance(rung, TrainingMemory):
         return f"{describe(rung.streams)} planned for training's memory"
     return "1 stream" if rung == 1 else f"{rung} streams" if isinstance(rung, int) else f"streams={rung!r}"
+
+
+def plain(rung: Rung | None) -> int | str | None:
+    """The rung as a JSON value: a stream count as it is, a plan for training's memory in words."""
+    return describe(rung) if isinstance(rung, TrainingMemory) else rung
