@@ -463,6 +463,8 @@ def _cell(row: dict, alone: dict | None) -> str:
     parts = [row["outcome"]]
     if streams is not None:
         parts.append(f"s{'/'.join(map(str, streams)) if isinstance(streams, list) else streams}")
+    if "planned for training's memory" in (row.get("why") or ""):
+        parts.append("(training's memory)")
     if row.get("backward_streams") not in (None, row.get("forward_streams")):
         parts.append(f"(backward {row['backward_streams']})")
     if row.get("ms_per_step") is not None:

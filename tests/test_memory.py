@@ -277,6 +277,9 @@ def test_a_graph_of_the_rung_for_trainings_memory_is_written_in_words():
     graphs = {"a": types.SimpleNamespace(streams=TrainingMemory(4)), "b": types.SimpleNamespace(streams=2)}
     kept = memory._streams_kept(types.SimpleNamespace(graphs=graphs))
     assert json.loads(json.dumps(kept))["graph_streams"] == [2, "4 streams planned for training's memory"]
+    row = dict(outcome="fallback", streams=4, ms_per_step=5.0,
+               why="the step on 2 streams does not fit in memory (...); running 4 streams planned for training's memory")
+    assert memory._cell(row, None) == "fallback s4 (training's memory) 5.00 ms"
 
 
 def test_a_compiled_steps_row_has_its_forward_and_backward_graphs_streams_and_the_table_shows_a_narrowed_one():
