@@ -324,7 +324,8 @@ def test_where_the_predicted_program_alone_does_not_fit_either_the_step_runs_one
 
     with pytest.warns(UserWarning, match="does not fit in memory .*2.00 GiB"):
         step = trial_run(monkeypatch, OutOfMemoryTwice(one_ms=1.0, streams_ms=1.2))
-    assert step.failed_streams == {4, TrainingMemory(4)} and step.status.streams == 1 and step.status.captured
+    assert step.failed_streams == {4, TrainingMemory(4), TrainingMemory(2)}
+    assert step.status.streams == 1 and step.status.captured
     # two towers: the plan asked for on 4 streams runs on 2, so 2 streams would not be narrower; planned for
     # training's memory it is the same plan (its bytes are far below the budget's floor), given up uncaptured
     assert 2 not in step.modules and step.module is step.modules[1]
@@ -376,12 +377,12 @@ def test_where_2_streams_do_not_fit_either_the_step_runs_one_and_one_warning_say
     assert "4 streams does not fit in memory (an allocation of 4.00 MiB" in said
     assert "2 streams does not fit in memory (an allocation of 2.00 MiB" in said
     assert said.endswith("running it on 1 stream instead, for this and later input shapes.")
-    assert step.failed_streams == {4, 2, TrainingMemory(4)} and step.status.streams == 1
+    assert step.failed_streams == {4, 2, TrainingMemory(4), TrainingMemory(2)} and step.status.streams == 1
     assert step.module is step.modules[1]
     assert runner.tried[-1] == 1
     # the towers' saved activations are far below the budget's floor: planned for training's memory, 4 streams
     # plan what did not fit on 4, and that rung is not captured
-    assert TrainingMemory(4) not in runner.tried and TrainingMemory(4) not in step.modules
+    assert not {TrainingMemory(4), TrainingMemory(2)} & (set(runner.tried) | set(step.modules))
 
 
 class UnevenTowers(torch.nn.Module):
@@ -405,23 +406,25 @@ def uneven_towers(seed=0):
     return UnevenTowers().double()
 
 
-def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_saved_activations(monkeypatch):
-    """Out of memory on 4 streams and on 2, an unfused step plans its 4 streams for training's memory: the wide
-    towers' saved activations stay on the caller's stream (a side stream's freed blocks would be lost to the
-    backward's allocations there), the narrow tower runs beside them. One warning says what each rung missed
-    and what runs; the run equals the plain loop."""
+@pytest.mark.parametrize("lean", [TrainingMemory(4), TrainingMemory(2)])
+def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_saved_activations(monkeypatch, lean):
+    """Out of memory on 4 streams and on 2, an unfused step plans its 4 streams for training's memory (where
+    those do not fit either, 2 so planned): the wide towers' saved activations stay on the caller's stream (a
+    side stream's freed blocks would be lost to the backward's allocations there), the narrow tower runs beside
+    them. One warning says what each rung missed and what runs; the run equals the plain loop."""
     monkeypatch.setattr(memory_budget, "FLOOR", 0)  # the towers' bytes are far below the allocator's segments
-    runner = OutOfMemoryOn({4, 2}, one_ms=1.0, streams_ms=0.8)
+    runner = OutOfMemoryOn({4, 2} | ({TrainingMemory(4)} if lean.streams == 2 else set()), one_ms=1.0,
+                           streams_ms=0.8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = trial_run(monkeypatch, runner, model_fn=uneven_towers, n=40)
     (said,) = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
     # the 4-stream module planned 3 (the towers and the stem's share); then 2
     assert "3 streams does not fit in memory" in said and "2 streams does not fit in memory" in said
-    assert said.endswith("running it on 4 streams planned for training's memory instead, for this and later "
-                         "input shapes."), said
-    lean = TrainingMemory(4)
-    assert step.failed_streams == {4, 2} and step.module is step.modules[lean] and runner.tried[-1] == lean
+    assert said.endswith(f"running it on {lean.streams} streams planned for training's memory instead, for this "
+                         "and later input shapes."), said
+    assert step.failed_streams == {4, 2, TrainingMemory(4)} - {lean} and step.module is step.modules[lean]
+    assert runner.tried[-1] == lean
     schedule = step.module.schedule
     on_side = {v for v, s in schedule.stream.items() if s}
     assert schedule.num_streams > 1 and any(v.startswith("towers_3") for v in on_side), on_side
@@ -430,7 +433,7 @@ def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_
     status = step.status
     assert status.captured and status.streams == schedule.num_streams and "does not fit in memory" in status.why
     assert str(status).startswith(f"captured, {schedule.num_streams} streams")
-    assert status.why.endswith("; running 4 streams planned for training's memory"), status.why
+    assert status.why.endswith(f"; running {lean.streams} streams planned for training's memory"), status.why
 
 
 def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_to_one_stream(monkeypatch):
@@ -445,13 +448,14 @@ def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_t
     runner = Invalidated({4}, one_ms=1.0, streams_ms=0.8)
     with pytest.warns(UserWarning, match="capturing the step on 4 streams failed 2 times"):
         step = trial_run(monkeypatch, runner, model_fn=four_towers)
-    assert 2 not in runner.tried and TrainingMemory(4) not in runner.tried
+    assert not {2, TrainingMemory(4), TrainingMemory(2)} & set(runner.tried)
     assert step.failed_streams == {4} and step.status.streams == 1
 
 
 @pytest.mark.parametrize("asked, compiled, expected", [
-    (4, False, [4, 2, TrainingMemory(4), 1]), (3, False, [3, 2, TrainingMemory(3), 1]),
-    ("auto", False, ["auto", 2, TrainingMemory("auto"), 1]), (2, False, [2, TrainingMemory(2), 1]),
+    (4, False, [4, 2, TrainingMemory(4), TrainingMemory(2), 1]),
+    (3, False, [3, 2, TrainingMemory(3), TrainingMemory(2), 1]),
+    ("auto", False, ["auto", 2, TrainingMemory("auto"), TrainingMemory(2), 1]), (2, False, [2, TrainingMemory(2), 1]),
     (1, False, [1]), (4, True, [4, 1]), ("auto", True, ["auto", 1])])
 def test_the_rungs_a_step_tries_where_memory_runs_out(asked, compiled, expected):
     """A compiled step narrows its backward in the same module instead: a new module would compile again."""

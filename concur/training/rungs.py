@@ -36,14 +36,16 @@ class _Asked(Protocol):
 def stream_rungs(step: _Asked) -> list[Rung]:
     """The rungs ``step`` tries in turn, where a capture runs out of memory: the stream count asked for; for an
     unfused step asked for more than 2 (or ``"auto"``), 2; for an unfused step on streams, the count asked for
-    planned for training's memory; then 1.
+    planned for training's memory, then 2 so planned; then 1.
 
     The stream counts come first: where they fit, every branch keeps its
-    stream. The rung for training's memory comes where they do not: it runs
+    stream. The rungs for training's memory come where they do not: they run
     the branches with small saved activations (at large batches, the late
-    blocks of a network, where one stream leaves the GPU idlest) beside the
-    others. The 2-stream rung is skipped where the program that did not fit
-    ran on 2 streams already (an ``"auto"`` plan, a network of two branches).
+    blocks of a network, where one stream fills the GPU least) beside the
+    others; on 2 streams, one side stream keeps its own blocks (convolution
+    workspaces, say) where 4 keep three sets. The 2-stream rung is skipped
+    where the program that did not fit ran on 2 streams already (an
+    ``"auto"`` plan, a network of two branches).
     A compiled step takes neither: it takes its backward graphs down in the
     same compiled module (:func:`concur.training.capture._narrow`), where a
     new module would compile the model again.
@@ -52,7 +54,8 @@ def stream_rungs(step: _Asked) -> list[Rung]:
     if step.compile or asked == 1:
         return list(dict.fromkeys([asked, 1]))
     wider = asked == "auto" or (isinstance(asked, int) and asked > 2)
-    return list(dict.fromkeys([asked, *([2] if wider else []), TrainingMemory(asked), 1]))
+    two = [2] if wider else []
+    return list(dict.fromkeys([asked, *two, TrainingMemory(asked), *map(TrainingMemory, two), 1]))
 
 
 def describe(rung: Rung) -> str:
