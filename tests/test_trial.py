@@ -434,6 +434,9 @@ def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_
     assert status.captured and status.streams == schedule.num_streams and "does not fit in memory" in status.why
     assert str(status).startswith(f"captured, {schedule.num_streams} streams")
     assert status.why.endswith(f"; running {lean.streams} streams planned for training's memory"), status.why
+    # where that module's decision kept one stream, the status says what missed, not a plan it does not run
+    one = step._why_fewer_streams(next(iter(step.graphs.values())), 1)
+    assert one == step.capture_log.fallbacks[-1] and "; running" not in one
 
 
 def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_to_one_stream(monkeypatch):

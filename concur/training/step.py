@@ -222,7 +222,7 @@ class TrainStep:
         """Why ``captured`` runs ``streams`` streams where more were asked for; "" where it runs what was asked."""
         narrowed = self.compile and getattr(self.backends.get(captured.streams), "narrowed", False)
         if (captured.streams != self.requested_streams or narrowed) and self.capture_log.fallbacks:
-            if isinstance(captured.streams, TrainingMemory):  # as many streams as asked, maybe: say which plan
+            if isinstance(captured.streams, TrainingMemory) and streams > 1:  # maybe as many as asked: which plan
                 return f"{self.capture_log.fallbacks[-1]}; running {describe(captured.streams)}"
             return self.capture_log.fallbacks[-1]
         asked = self.requested_streams
