@@ -87,6 +87,12 @@ class Schedule:
             object.__setattr__(self, "stream", MappingProxyType(dict(self.stream)))
 
     @property
+    def placement(self) -> tuple[tuple, tuple]:
+        """Return the issue order and the (node, stream) pairs, sorted: what two schedules that run alike share
+        (their waits follow from it; their makespans may have been simulated at different sync costs)."""
+        return tuple(self.order), tuple(sorted(self.stream.items(), key=repr))
+
+    @property
     def streams_used(self) -> tuple[int, ...]:
         """Return the sorted stream indices that run at least one node."""
         return tuple(sorted(set(self.stream.values())))

@@ -162,3 +162,20 @@ SYNTHETIC = {
     "shared_bn": (SharedBatchNorm, lambda: (torch.randn(2, 3, 8, 8),)),
     "dropout": (DropoutBranches, lambda: (torch.randn(4, 16),)),
 }
+
+
+class Towers(nn.Module):
+    """Towers of ``widths`` on a shared stem of ``stem_width``, joined by a head: as many independent branches as
+    widths (plans on 2, 3 and 4 streams differ for four). A wide tower saves large activations for backward
+    (its Linear's output and its Tanh's), a narrow one small ones."""
+
+    def __init__(self, stem_width: int, widths: tuple[int, ...]):
+        super().__init__()
+        self.stem = nn.Linear(6, stem_width)
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(stem_width, width), nn.Tanh(),
+                                                  nn.Linear(width, stem_width)) for width in widths)
+        self.head = nn.Linear(stem_width * len(widths), 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        return self.head(torch.cat([t(h) for t in self.towers], dim=1))

@@ -14,6 +14,7 @@ from concur.dag import memory_budget as dag_memory
 from concur.dag.annotate import annotate
 from concur.fx.plan import analyse, split_prologue
 from schedulers.stream_memory import peak_bytes
+from tests.models import Towers
 
 
 class ConvBnRelu(nn.Module):
@@ -154,27 +155,13 @@ def test_a_budget_of_one_streams_memory_limits_concurrency_near_the_peak_and_kee
     assert (loose.stream["c1"], loose.stream["c2"]) == (1, 1) and (tight.stream["c1"], tight.stream["c2"]) == (1, 0)
 
 
-class UnevenTowers(nn.Module):
-    """Two wide towers and a narrow one on a stem: the wide ones save large activations for backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(6, 64)
-        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(64, w), nn.Tanh(), nn.Linear(w, 64)) for w in (512, 512, 4))
-        self.head = nn.Linear(192, 3)
-
-    def forward(self, x):
-        h = torch.relu(self.stem(x))
-        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
-
-
 def test_a_plan_for_trainings_memory_keeps_large_saved_activations_on_the_callers_stream(monkeypatch):
     """``memory_model="training"``: the wide towers' saved activations stay on stream 0, the narrow tower runs
     beside them; outputs and gradients equal the model's. The forward's budget alone puts a wide tower on a side
     stream."""
     monkeypatch.setattr(dag_memory, "FLOOR", 0)
     torch.manual_seed(0)
-    model = UnevenTowers().double().train()
+    model = Towers(64, (512, 512, 4)).double().train()  # two wide towers and a narrow one
     x = torch.randn(8, 6, dtype=torch.double)
     wide = {f"towers_{i}_{j}" for i in range(2) for j in range(2)}  # the wide Linear outputs and their Tanh
     on_side = lambda m: {v for v, s in m.schedule.stream.items() if s}  # noqa: E731

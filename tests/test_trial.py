@@ -24,6 +24,7 @@ import concur.training.step as train_mod
 from concur.dag import memory_budget
 from concur.training import rungs, trial as trial_mod
 from concur.training.rungs import TrainingMemory
+from tests.models import Towers
 from tests.test_step_habits import EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model, plain_loop
 
 
@@ -115,24 +116,10 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-class FourTowers(torch.nn.Module):
-    """Four towers on a shared stem: plans on 2, 3 and 4 streams differ."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = torch.nn.Linear(6, 32)
-        self.towers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                                              torch.nn.Linear(32, 32)) for _ in range(4))
-        self.head = torch.nn.Linear(128, 3)
-
-    def forward(self, x):
-        h = torch.relu(self.stem(x))
-        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
-
-
 def four_towers(seed=0):
+    """Four towers on a shared stem: plans on 2, 3 and 4 streams differ."""
     torch.manual_seed(seed)
-    return FourTowers().double()
+    return Towers(32, (32,) * 4).double()
 
 
 def trial_run(monkeypatch, runner, n=24, batches=None, make_opt=sgd, before_step=None, model_fn=make_model, **kw):
@@ -385,25 +372,11 @@ def test_where_2_streams_do_not_fit_either_the_step_runs_one_and_one_warning_say
     assert not {TrainingMemory(4), TrainingMemory(2)} & (set(runner.tried) | set(step.modules))
 
 
-class UnevenTowers(torch.nn.Module):
+def uneven_towers(seed=0):
     """Three wide towers and a narrow one: the wide ones save large activations for backward, the narrow one
     small ones."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = torch.nn.Linear(6, 64)
-        self.towers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.Tanh(),
-                                                              torch.nn.Linear(width, 64)) for width in (512, 512, 512, 4))
-        self.head = torch.nn.Linear(256, 3)
-
-    def forward(self, x):
-        h = torch.relu(self.stem(x))
-        return self.head(torch.cat([t(h) for t in self.towers], dim=1))
-
-
-def uneven_towers(seed=0):
     torch.manual_seed(seed)
-    return UnevenTowers().double()
+    return Towers(64, (512, 512, 512, 4)).double()
 
 
 @pytest.mark.parametrize("lean", [TrainingMemory(4), TrainingMemory(2)])

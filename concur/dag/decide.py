@@ -136,7 +136,7 @@ def distinct_schedules(dag: nx.DiGraph, counts: Sequence[int], scheduler: str,
     distinct: dict[tuple, schedulers.Schedule] = {}
     for k in counts:
         s = schedule_graph(dag, k, scheduler, cluster_cost_us, memory_budget, training_memory)
-        distinct.setdefault((tuple(s.order), tuple(sorted(s.stream.items(), key=repr))), s)
+        distinct.setdefault(s.placement, s)
     return list(distinct.values())
 
 

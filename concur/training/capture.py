@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
+from schedulers import Schedule
 
 from concur import _torch_compat as compat
 from concur.errors import failure_text
@@ -132,7 +133,9 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         if streams == 1:
             break
         widest = _program_width(step, streams)
-        failed_plans.add(_schedule_of(step, streams))
+        failed = _schedule_of(step, streams)
+        if failed is not None:
+            failed_plans.add(failed.placement)
         # free the module (and the compiled code) that did not fit or cannot be captured
         step.failed_streams.add(streams)
         step.modules.pop(streams, None)
@@ -179,27 +182,27 @@ def _plans_nothing_new(step: CapturingStep, rung: TrainingMemory, failed_plans: 
         step._module(rung)
     except Exception:  # noqa: BLE001 - out of memory while planning, say: _capture_on meets it again, and tells
         return False
-    if _program_width(step, rung) == 1 or _schedule_of(step, rung) in failed_plans:
+    planned = _schedule_of(step, rung)
+    if planned is not None and (planned.num_streams == 1 or planned.placement in failed_plans):
         step.modules.pop(rung, None)
         return True
     return False
 
 
-def _schedule_of(step: CapturingStep, rung: Rung) -> tuple | None:
-    """The schedule the unfused module of ``rung`` runs, as a comparable value; None where there is none."""
+def _schedule_of(step: CapturingStep, rung: Rung) -> Schedule | None:
+    """The schedule the unfused module of ``rung`` runs; None where there is none."""
     try:
-        s = step.modules[rung].schedule
+        return step.modules[rung].schedule
     except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
         return None
-    return tuple(s.order), tuple(sorted(s.stream.items(), key=repr))
 
 
 def _program_width(step: CapturingStep, streams: Rung) -> int | None:
     """How many streams the unfused module on ``streams`` ran (an ``"auto"`` module picks its own), where known."""
-    try:
-        return step.modules[streams].schedule.num_streams
-    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
-        return streams if isinstance(streams, int) else None
+    planned = _schedule_of(step, streams)
+    if planned is not None:
+        return planned.num_streams
+    return streams if isinstance(streams, int) else None
 
 
 def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
