@@ -1,7 +1,7 @@
 """Where a synced step's time goes: the host's time per call before its replay, concur's step against the recipe's.
 
     PYTHONPATH=. python -m experiments.host_time --model googlenet --batch 8 [--compile] [--streams 1 4]
-        [--rounds 6] [--calls 20] [--profile 10] [--json FILE]
+        [--rounds 6] [--calls 20] [--profile 10] [--python 50] [--json FILE]
 
 A loop that reads its loss after every step (``loss.item()``) waits for each
 step, so whatever the host does before the step's replay is launched adds to
@@ -22,6 +22,9 @@ side and call:
 Medians over rounds; the table gives each against the recipe's. With
 ``--profile N``, torch.profiler records N synced calls per side, and the
 host's operations are listed by self CPU time (the ten largest per side).
+With ``--python N``, cProfile records N synced calls per side, and the
+Python functions are listed by their own time (the fifteen largest per side):
+what the host spends that is not a torch operation.
 With ``--device cpu`` (a check of the tool, no graphs) the recipe is the
 plain loop and concur runs eagerly: only ``host_us``.
 """
@@ -148,6 +151,22 @@ def profile_side(call: Callable[[], torch.Tensor], calls: int, device: str, top:
             for e in events]
 
 
+def python_side(call: Callable[[], torch.Tensor], calls: int, device: str, top: int = 15) -> list[dict]:
+    """The Python functions over ``calls`` synced calls, by their own time: where, count and us per call."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        _sync(device)
+        profiler.runcall(call)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, ...)}
+    rows = [{"name": f"{Path(f).name}:{line}({name})", "count_per_call": n / calls,
+             "self_cpu_us_per_call": own * 1e6 / calls, "cumulative_us_per_call": cum * 1e6 / calls}
+            for (f, line, name), (_, n, own, cum, _) in stats.items()]
+    return sorted(rows, key=lambda r: r["self_cpu_us_per_call"], reverse=True)[:top]
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     _, sides = build_sides(args.model, args.batch, args.device, args.compile, args.streams)
     samples: dict[str, list[dict]] = {side: [] for side in sides}
@@ -168,6 +187,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             row[key] = statistics.median(values) if values else None
         if args.profile:
             row["host_ops"] = profile_side(sides[side], args.profile, args.device)
+        if args.python:
+            row["python_functions"] = python_side(sides[side], args.python, args.device)
         rows.append(row)
     return rows
 
@@ -185,7 +206,7 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['side']} | {cell(r, 'host_us', '.1f')} | {cell(r, 'before_replay_us', '.1f')} | "
                      f"{cell(r, 'synced_ms', '.3f')} | {cell(r, 'ms', '.3f')} | {ratio['synced_ms']} | {ratio['ms']} |")
     for r in rows:
-        for op in r.get("host_ops", []):
+        for op in r.get("host_ops", []) + r.get("python_functions", []):
             lines.append(f"  {r['side']}: {op['name'][:60]:60s} {op['count_per_call']:6.1f}/call "
                          f"{op['self_cpu_us_per_call']:8.1f} us/call")
     return lines
@@ -201,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=20, help="synced calls per side and round, then as many back to back")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="profile N synced calls per side")
+    p.add_argument("--python", type=int, default=0, metavar="N",
+                   help="cProfile N synced calls per side: the Python functions by their own time")
     p.add_argument("--json", type=Path, help="append one row per side (JSONL)")
     return p
 

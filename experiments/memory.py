@@ -45,7 +45,11 @@ such a run are not speed figures: time with ``--jobs 1``. A concur row also
 has what the step held by pool and stream at each failed setup attempt
 (``held_at_failures``), and a compiled step's row the most streams its
 forward and its backward graphs run (``forward_streams``,
-``backward_streams``: under pressure the backward runs fewer). ``--kernels N``
+``backward_streams``: under pressure the backward runs fewer). Every row has
+how many allocations ran out of memory in setup (``setup_out_of_memory``,
+the allocator's count: those raised and those an operation recovered from,
+as cuDNN does by keeping a convolution algorithm with a smaller workspace
+for the rest of the process). ``--kernels N``
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
@@ -237,10 +241,8 @@ def _streams_kept(step: Any) -> dict:
         found.update(mode=status.mode, streams=status.streams, why=status.why, captures=status.captures,
                      capture_failures=status.failures, recovered=status.recovered,
                      fallbacks=list(status.fallbacks))
-    from concur.training.rungs import plain  # a concur step's process: concur is loaded already
-
     graphs = getattr(step, "graphs", None) or {}
-    found["graph_streams"] = sorted({plain(getattr(c, "streams", None)) for c in graphs.values()}, key=str)
+    found["graph_streams"] = sorted({getattr(c, "streams", None) for c in graphs.values()}, key=str)
     # a compiled step's forward and backward graphs: under memory pressure its backward runs fewer streams
     compiled = [g for b in (getattr(step, "backends", None) or {}).values() for g in getattr(b, "graphs", ())]
     if compiled:
@@ -302,6 +304,7 @@ def _train(payload: dict, row: dict) -> None:
     # where the trial ended, this call captures the program kept: setup too, not a steady step
     step(*batch)
     row["setup_calls"] = calls + 1
+    row["setup_out_of_memory"] = out_of_memory_count()
     setup_peaks = _peaks()
     held = _held()
     row["held_by_pool_and_stream"] = breakdown()
@@ -319,6 +322,12 @@ def _train(payload: dict, row: dict) -> None:
     row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
     if payload.get("kernels"):
         row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
+
+
+def out_of_memory_count() -> int:
+    """The allocations this process's allocator could not serve so far: those raised, and those an operation
+    recovered from (cuDNN then runs, and keeps, a convolution algorithm with a smaller workspace)."""
+    return int(torch.cuda.memory_stats().get("num_ooms", 0))
 
 
 def base_row(payload: dict) -> dict:
@@ -463,8 +472,6 @@ def _cell(row: dict, alone: dict | None) -> str:
     parts = [row["outcome"]]
     if streams is not None:
         parts.append(f"s{'/'.join(map(str, streams)) if isinstance(streams, list) else streams}")
-    if "planned for training's memory" in (row.get("why") or ""):
-        parts.append("(training's memory)")
     if row.get("backward_streams") not in (None, row.get("forward_streams")):
         parts.append(f"(backward {row['backward_streams']})")
     if row.get("ms_per_step") is not None:

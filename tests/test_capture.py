@@ -20,7 +20,6 @@ import torch
 import concur
 import concur.training.step as train_mod
 from concur.training import graph_runner
-from concur.training.rungs import TrainingMemory
 from tests.fake_cuda_graphs import fake_cuda
 from tests.test_step_habits import (SGD_M, EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model,
                                     plain_loop)
@@ -75,7 +74,7 @@ def test_out_of_memory_capturing_streams_drops_to_one_stream_at_once_and_says_wh
     runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
     step, said = run(monkeypatch, runner, make_batches(6) + make_batches(3, size=4))
     assert len(runner.attempts) == 3, "one failed attempt on 2 streams (not retried), then one graph per shape"
-    assert step.failed_streams == {2, TrainingMemory(2)} and 2 not in step.modules
+    assert step.failed_streams == {2} and 2 not in step.modules
     assert runner.freed >= 1, "the failed attempt's memory must be given back before the next"
     (warning,) = said
     assert "does not fit in memory" in warning and "20.00 MiB" in warning and "12.00 MiB free" in warning
@@ -100,7 +99,7 @@ def test_out_of_memory_in_warm_up_falls_back_like_one_in_capture(monkeypatch):
 
     monkeypatch.setattr(train_mod.StepBody, "backward", backward)
     step, said = run(monkeypatch, runner, make_batches(5))
-    assert step.failed_streams == {2, TrainingMemory(2)} and step.status.streams == 1
+    assert step.failed_streams == {2} and step.status.streams == 1
     assert len(said) == 1 and "does not fit in memory" in said[0]
 
 
@@ -114,7 +113,7 @@ def test_out_of_memory_at_a_recapture_after_freezing_falls_back_and_keeps_traini
             p.requires_grad_(False)
 
     step, said = run(monkeypatch, runner, make_batches(8), events={4: freeze})
-    assert step.failed_streams == {2, TrainingMemory(2)} and len(said) == 1
+    assert step.failed_streams == {2} and len(said) == 1
     assert step.status.streams == 1 and step.status.failures == 1
 
 
@@ -214,7 +213,7 @@ def test_a_capture_that_ran_out_of_memory_and_then_failed_at_its_end_is_told_as_
         error = exc
     runner = FailingGraphs([error])
     step, said = run(monkeypatch, runner, make_batches(4))
-    assert step.failed_streams == {2, TrainingMemory(2)} and len(runner.attempts) == 2, "no retry of a capture out of memory"
+    assert step.failed_streams == {2} and len(runner.attempts) == 2, "no retry of a capture out of memory"
     assert len(said) == 1 and "does not fit in memory" in said[0] and "20.00 MiB" in said[0]
 
 

@@ -244,6 +244,41 @@ def test_train_step_times_its_programs_on_its_first_calls(tmp_path, monkeypatch)
     assert_within_envelope("googlenet/trial", losses, expected, envelope, model, ref, twin)
 
 
+def test_train_step_times_its_programs_one_at_a_time_where_together_they_do_not_fit(tmp_path, monkeypatch):
+    """Every program at once runs out of memory (faked at the trial's capture): the plan is captured alone and
+    timed, then freed and the one-stream program captured in a new pool and timed; the faster stays, the run
+    within the eager loop's envelope, and one private pool is left."""
+    import concur.training.capture as capture_mod
+    from concur.training.trial import ROUNDS as trial_rounds
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (faked)")
+
+    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(capture_mod, "capture_trial", out_of_memory)
+    make, size, batch = MODELS["googlenet"]
+    torch.manual_seed(0)
+    model = make().cuda().train()
+    ref, twin = copy.deepcopy(model), perturbed(model)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
+                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(24)]
+    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    opt = make_opt(model.parameters())
+    step = concur.train_step(model, _loss, opt, batches[0], streams=4)
+    losses = torch.tensor(_train(model, opt, batches, step))
+    (decision,) = step.step_decisions
+    print(f"one at a time: {decision.reason}")
+    assert decision.source == "measurement" and decision.measured.rounds == trial_rounds
+    assert not step.deciding and len(step.graphs) == 1
+    pools = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()
+             if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
+    assert len(pools) == 1, f"private pools held after the trial: {sorted(pools)}"
+    expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
+    envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
+    assert_within_envelope("googlenet/one at a time", losses, expected, envelope, model, ref, twin)
+
+
 def _googlenet_with_dropout(p=0.5):
     return torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False, dropout=p)
 

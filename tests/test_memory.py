@@ -92,6 +92,13 @@ def test_the_fraction_is_the_limit_over_the_devices_total_and_set_before_setup(m
     assert memory.memory_fraction(5000 * MB, 4000 * MB) == 1.0  # torch refuses a fraction over 1
 
 
+def test_a_row_counts_the_allocations_out_of_memory_those_recovered_from_too(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: {"num_ooms": 3, "num_alloc_retries": 5})
+    assert memory.out_of_memory_count() == 3
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: {})  # no CUDA allocator started
+    assert memory.out_of_memory_count() == 0
+
+
 def test_each_concur_child_gets_a_fresh_decision_cache_of_its_own(tmp_path, monkeypatch):
     seen = {}
 
@@ -268,18 +275,6 @@ def test_how_the_step_runs_comes_from_its_status_and_the_graphs_streams_beside_i
     assert kept["streams"] == 1 and kept["graph_streams"] == [4] and kept["mode"] == "captured"
     assert kept["capture_failures"] == 1 and "does not fit" in kept["why"] and "1 stream of 4" in kept["status"]
     assert "status" not in memory._streams_kept(types.SimpleNamespace(graphs=graphs))
-
-
-def test_a_graph_of_the_rung_for_trainings_memory_is_written_in_words():
-    """The row is JSON: a graph captured on the rung planned for training's memory names it in words."""
-    from concur.training.rungs import TrainingMemory
-
-    graphs = {"a": types.SimpleNamespace(streams=TrainingMemory(4)), "b": types.SimpleNamespace(streams=2)}
-    kept = memory._streams_kept(types.SimpleNamespace(graphs=graphs))
-    assert json.loads(json.dumps(kept))["graph_streams"] == [2, "4 streams planned for training's memory"]
-    row = dict(outcome="fallback", streams=4, ms_per_step=5.0,
-               why="the step on 2 streams does not fit in memory (...); running 4 streams planned for training's memory")
-    assert memory._cell(row, None) == "fallback s4 (training's memory) 5.00 ms"
 
 
 def test_a_compiled_steps_row_has_its_forward_and_backward_graphs_streams_and_the_table_shows_a_narrowed_one():

@@ -21,9 +21,7 @@ import torch
 import concur
 import concur.fx.decision as fx_decision
 import concur.training.step as train_mod
-from concur.dag import memory_budget
 from concur.training import rungs, trial as trial_mod
-from concur.training.rungs import TrainingMemory
 from tests.models import Towers
 from tests.test_step_habits import EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model, plain_loop
 
@@ -269,26 +267,79 @@ def test_auto_times_every_stream_count_on_the_first_calls_and_keeps_the_fewest_w
     assert decision.keep and decision.num_streams == 3 and step.module.plan.schedule.num_streams == 3
 
 
-def test_where_every_program_does_not_fit_the_prediction_decides_and_one_program_is_captured(monkeypatch):
-    """Out of memory capturing the trial's second program: the predicted plan alone is captured, as where a
-    timing before the step fails; not cached, and no fallback to one stream. The decision's reason names the
-    allocator's error, not the one the capture raised at its end while handling it."""
+class FailsOnce(TrialGraphs):
+    """The trial's second capture (every program at once) fails once, ``fail()`` raising; so do the captures
+    numbered in ``then`` (the one-stream program, captured alone)."""
 
-    class OutOfMemoryOnce(TrialGraphs):
-        def capture(self, body, step):
-            if self.captures == 1 and not getattr(self, "failed_once", False):
-                self.failed_once = True
-                try:
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-                except torch.OutOfMemoryError:
-                    raise RuntimeError("CUDA error: capturing stream has unjoined work")
-            return super().capture(body, step)
+    def __init__(self, fail, then=(), **timing):
+        super().__init__(**timing)
+        self.fail, self.fail_at = fail, {1, *then}
 
-    runner = OutOfMemoryOnce(one_ms=1.0, streams_ms=1.2)
+    def capture(self, body, step):
+        if self.captures in self.fail_at:
+            self.fail_at.discard(self.captures)
+            self.fail()
+        return super().capture(body, step)
+
+
+def out_of_memory_at_capture_end():
+    """The allocator's error, and the one a capture raises at its end while handling it."""
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except torch.OutOfMemoryError:
+        raise RuntimeError("CUDA error: capturing stream has unjoined work")
+
+
+def not_permitted_while_capturing():
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+# the calls a trial one program at a time takes: each program's, one not counted, then the counted ones
+ONE_AT_A_TIME_CALLS = 2 * trial_mod.PHASE
+
+
+@pytest.mark.parametrize("streams_ms", [1.2, 0.8])
+def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kept(monkeypatch, caplog,
+                                                                                   streams_ms):
+    """Out of memory capturing every program at once: the predicted program is captured alone and timed on
+    the first calls, then freed and the one-stream program captured in a new pool and timed; the faster is
+    kept, not cached (a plan kept on its prediction under memory pressure can be much slower), the INFO line
+    says how it was timed, and the run equals the plain loop throughout."""
+    runner = FailsOnce(out_of_memory_at_capture_end, one_ms=1.0, streams_ms=streams_ms)
+    with caplog.at_level("INFO", logger="concur"):
+        step = trial_run(monkeypatch, runner)
+    assert "timed one at a time, side by side they do not fit in memory" in caplog.text
+    (decision,) = step.step_decisions
+    assert decision.source == "measurement" and decision.keep == (streams_ms < 1.0), decision.reason
+    assert decision.measured.rounds == trial_mod.ROUNDS
+    assert runner.replayed == [2] * trial_mod.PHASE + [1] * trial_mod.PHASE, "the predicted program first"
+    assert runner.released[0], "the predicted program's pool given back before the one-stream program's capture"
+    kept = 2 if streams_ms < 1.0 else 1
+    assert not step.deciding and len(step.graphs) == 1 and step.module.plan.schedule.num_streams == kept
+    assert runner.plan_of[id(next(iter(step.graphs.values())).graph)][1].schedule.num_streams == kept
+    assert step.status.streams == kept and step.status.failures == 1 and not step.failed_streams
+    again = FailsOnce(out_of_memory_at_capture_end, one_ms=1.0, streams_ms=streams_ms)
+    trial_run(monkeypatch, again)
+    assert again.replayed, "not cached: the next run times again"
+
+
+def test_where_the_one_stream_program_alone_cannot_be_captured_the_prediction_decides(monkeypatch):
+    runner = FailsOnce(out_of_memory_at_capture_end, then=(2,), one_ms=1.0, streams_ms=1.2)
+    step = trial_run(monkeypatch, runner)
+    (decision,) = step.step_decisions
+    assert decision.keep and decision.source == "prediction" and not step.deciding
+    assert runner.replayed == [2] * trial_mod.PHASE, "the predicted program's calls, then no more timing"
+    assert step.status.streams == 2 and step.status.failures == 2
+
+
+def test_where_every_program_fails_for_another_reason_the_prediction_decides(monkeypatch):
+    """Not out of memory (an operation a capture does not allow, say): the predicted plan alone is captured,
+    as where a timing before the step fails; not cached, and no fallback to one stream."""
+    runner = FailsOnce(not_permitted_while_capturing, one_ms=1.0, streams_ms=1.2)
     step = trial_run(monkeypatch, runner)
     (decision,) = step.step_decisions
     assert decision.keep and decision.source == "prediction"
-    assert "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in decision.reason, decision.reason
+    assert "operation not permitted when stream is capturing" in decision.reason, decision.reason
     assert not step.deciding and not runner.replayed and not step.failed_streams
     assert len(step.graphs) == 1 and step.module.plan.schedule.num_streams == 2
     assert step.status.streams == 2 and step.status.failures == 1  # the trial's capture, not the step's
@@ -311,10 +362,8 @@ def test_where_the_predicted_program_alone_does_not_fit_either_the_step_runs_one
 
     with pytest.warns(UserWarning, match="does not fit in memory .*2.00 GiB"):
         step = trial_run(monkeypatch, OutOfMemoryTwice(one_ms=1.0, streams_ms=1.2))
-    assert step.failed_streams == {4, TrainingMemory(4), TrainingMemory(2)}
-    assert step.status.streams == 1 and step.status.captured
-    # two towers: the plan asked for on 4 streams runs on 2, so 2 streams would not be narrower; planned for
-    # training's memory it is the same plan (its bytes are far below the budget's floor), given up uncaptured
+    assert step.failed_streams == {4} and step.status.streams == 1 and step.status.captured
+    # two towers: the plan asked for on 4 streams runs on 2, so 2 streams would not be narrower
     assert 2 not in step.modules and step.module is step.modules[1]
 
 
@@ -364,52 +413,8 @@ def test_where_2_streams_do_not_fit_either_the_step_runs_one_and_one_warning_say
     assert "4 streams does not fit in memory (an allocation of 4.00 MiB" in said
     assert "2 streams does not fit in memory (an allocation of 2.00 MiB" in said
     assert said.endswith("running it on 1 stream instead, for this and later input shapes.")
-    assert step.failed_streams == {4, 2, TrainingMemory(4), TrainingMemory(2)} and step.status.streams == 1
-    assert step.module is step.modules[1]
+    assert step.failed_streams == {4, 2} and step.status.streams == 1 and step.module is step.modules[1]
     assert runner.tried[-1] == 1
-    # the towers' saved activations are far below the budget's floor: planned for training's memory, 4 streams
-    # plan what did not fit on 4, and that rung is not captured
-    assert not {TrainingMemory(4), TrainingMemory(2)} & (set(runner.tried) | set(step.modules))
-
-
-def uneven_towers(seed=0):
-    """Three wide towers and a narrow one: the wide ones save large activations for backward, the narrow one
-    small ones."""
-    torch.manual_seed(seed)
-    return Towers(64, (512, 512, 512, 4)).double()
-
-
-@pytest.mark.parametrize("lean", [TrainingMemory(4), TrainingMemory(2)])
-def test_where_4_and_2_streams_do_not_fit_the_step_keeps_side_streams_for_small_saved_activations(monkeypatch, lean):
-    """Out of memory on 4 streams and on 2, an unfused step plans its 4 streams for training's memory (where
-    those do not fit either, 2 so planned): the wide towers' saved activations stay on the caller's stream (a
-    side stream's freed blocks would be lost to the backward's allocations there), the narrow tower runs beside
-    them. One warning says what each rung missed and what runs; the run equals the plain loop."""
-    monkeypatch.setattr(memory_budget, "FLOOR", 0)  # the towers' bytes are far below the allocator's segments
-    runner = OutOfMemoryOn({4, 2} | ({TrainingMemory(4)} if lean.streams == 2 else set()), one_ms=1.0,
-                           streams_ms=0.8)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        step = trial_run(monkeypatch, runner, model_fn=uneven_towers, n=40)
-    (said,) = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
-    # the 4-stream module planned 3 (the towers and the stem's share); then 2
-    assert "3 streams does not fit in memory" in said and "2 streams does not fit in memory" in said
-    assert said.endswith(f"running it on {lean.streams} streams planned for training's memory instead, for this "
-                         "and later input shapes."), said
-    assert step.failed_streams == {4, 2, TrainingMemory(4)} - {lean} and step.module is step.modules[lean]
-    assert runner.tried[-1] == lean
-    schedule = step.module.schedule
-    on_side = {v for v, s in schedule.stream.items() if s}
-    assert schedule.num_streams > 1 and any(v.startswith("towers_3") for v in on_side), on_side
-    wide_saved = {f"towers_{i}_{j}" for i in range(3) for j in range(2)}  # wide Linear outputs and their Tanh
-    assert not on_side & wide_saved, on_side & wide_saved
-    status = step.status
-    assert status.captured and status.streams == schedule.num_streams and "does not fit in memory" in status.why
-    assert str(status).startswith(f"captured, {schedule.num_streams} streams")
-    assert status.why.endswith(f"; running {lean.streams} streams planned for training's memory"), status.why
-    # where that module's decision kept one stream, the status says what missed, not a plan it does not run
-    one = step._why_fewer_streams(next(iter(step.graphs.values())), 1)
-    assert one == step.capture_log.fallbacks[-1] and "; running" not in one
 
 
 def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_to_one_stream(monkeypatch):
@@ -424,20 +429,17 @@ def test_a_capture_on_4_streams_that_fails_for_another_reason_than_memory_goes_t
     runner = Invalidated({4}, one_ms=1.0, streams_ms=0.8)
     with pytest.warns(UserWarning, match="capturing the step on 4 streams failed 2 times"):
         step = trial_run(monkeypatch, runner, model_fn=four_towers)
-    assert not {2, TrainingMemory(4), TrainingMemory(2)} & set(runner.tried)
-    assert step.failed_streams == {4} and step.status.streams == 1
+    assert 2 not in runner.tried and step.failed_streams == {4} and step.status.streams == 1
 
 
 @pytest.mark.parametrize("asked, compiled, expected", [
-    (4, False, [4, 2, TrainingMemory(4), TrainingMemory(2), 1]),
-    (3, False, [3, 2, TrainingMemory(3), TrainingMemory(2), 1]),
-    ("auto", False, ["auto", 2, TrainingMemory("auto"), TrainingMemory(2), 1]), (2, False, [2, TrainingMemory(2), 1]),
+    (4, False, [4, 2, 1]), (3, False, [3, 2, 1]), ("auto", False, ["auto", 2, 1]), (2, False, [2, 1]),
     (1, False, [1]), (4, True, [4, 1]), ("auto", True, ["auto", 1])])
 def test_the_rungs_a_step_tries_where_memory_runs_out(asked, compiled, expected):
     """A compiled step narrows its backward in the same module instead: a new module would compile again."""
     step = types.SimpleNamespace(requested_streams=asked, compile=compiled)
     assert rungs.stream_rungs(step) == expected
-    assert rungs.describe(TrainingMemory(4)) == "4 streams planned for training's memory"
+    assert (rungs.describe(4), rungs.describe(1), rungs.describe("auto")) == ("4 streams", "1 stream", "streams='auto'")
 
 
 def test_a_new_plan_after_the_model_changed_is_timed_on_the_calls_after_it(monkeypatch):

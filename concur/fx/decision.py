@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -110,8 +110,16 @@ class PendingChoice:
     plans: list[Plan]
     timed: list[int]  # indices of the candidates timed, in the order of their times in a round
     one_stream: Plan
-    key: str
+    key: str | None  # where the decision is cached once timed; None: not cached
     default: int
+
+    def predicted_alone(self) -> "PendingChoice":
+        """The choice between one stream and the predicted candidate alone, not cached: where the programs
+        are timed one at a time (:class:`concur.training.trial.OneAtATime`), since side by side they do not
+        fit in memory. The cache holds decisions between every candidate, timed side by side."""
+        return replace(self, what=f"{self.what} (timed one at a time, side by side they do not fit in memory)",
+                       predictions=[self.predictions[self.default]], plans=[self.plans[self.default]],
+                       timed=[0], key=None, default=0)
 
     @property
     def programs(self) -> list[Plan]:
@@ -135,6 +143,7 @@ class PendingChoice:
         timed = rounds is not None
         decision = decide.choose(f"{self.what}, {'timed ' if timed else ''}on the step's first calls",
                                  self.predictions, timer=(lambda: rounds) if timed else untimed,
-                                 cache=JsonCache() if timed else None, key=self.key if timed else None,
+                                 cache=JsonCache() if timed and self.key else None,
+                                 key=self.key if timed else None,
                                  scope="step")
         return decision, self.plans[decision.candidate] if decision.keep else self.one_stream

@@ -198,6 +198,12 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         self._plan_attrs.add(plan.runtime_attr)
         self._plans[self._mode_key()] = plan
 
+    def time_predicted_alone(self) -> None:
+        """Narrow the current mode's pending choice to one stream against the predicted plan
+        (:meth:`PendingChoice.predicted_alone`): the caller times the two one at a time."""
+        key = self._mode_key()
+        self._pending[key] = self._pending[key].predicted_alone()
+
     def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> decide.Decision:
         """Decide the current mode's pending choice on the caller's timed ``rounds``, or by prediction where
         there are none (the caller could not time them: ``why``); run the plan it picks."""

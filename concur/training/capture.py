@@ -43,11 +43,11 @@ from concur.training import captured_optim
 from concur.training.gradients import StepGradients, optimized_parameters
 from concur.training.graph_runner import Captured
 from concur.training.out_of_memory import is_out_of_memory, shortfall
-from concur.training.rungs import Rung, TrainingMemory, describe, stream_rungs
+from concur.training.rungs import Rung, describe, stream_rungs
 from concur.training.snapshot import Snapshot
 from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
-from concur.training.trial import StepTrial
+from concur.training.trial import OneAtATime, StepTrial
 
 __all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
 
@@ -73,7 +73,8 @@ class CapturingStep(Protocol):
     failed_streams: set
     step_decisions: list
     capture_log: CaptureLog
-    _trial: StepTrial | None
+    _trial: StepTrial | OneAtATime | None
+    _status_of: Captured | None  # the graph whose status was read last
     _runner: Any  # a CudaGraphRunner, or the CPU tests' emulation
     _hyper: captured_optim.DeviceHyperparameters | None
     _body: StepBody
@@ -105,8 +106,8 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     what it held is given back. One that runs out of memory is not: a
     compiled step first takes its backward graphs' multi-stream programs
     down a step at a time, capturing again after each (:func:`_capture_on`);
-    an unfused step on more than 2 streams tries 2, then its streams planned
-    for training's memory (:func:`concur.training.rungs.stream_rungs`).
+    an unfused step on more than 2 streams tries 2
+    (:func:`concur.training.rungs.stream_rungs`).
     Where that does not fit either, the step drops to one stream. Each rung
     that failed is not tried again, for this and later input shapes;
     one warning says how much memory was missing and what runs instead.
@@ -116,13 +117,10 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     step._batches.admit(inputs, targets)  # a batch the model rejects must not cost later batches their streams
     log = step.capture_log
     missed: list[str] = []  # what each stream count out of memory missed, in the order tried
-    why, widest, only_memory, failed_plans = "", None, True, set()
+    why, widest = "", None
     for streams in stream_rungs(step):
-        if streams in step.failed_streams or _no_narrower(streams, widest, only_memory):
+        if streams in step.failed_streams or _no_narrower(streams, widest):
             continue  # failed before; or no narrower than the program that just did not fit
-        if isinstance(streams, TrainingMemory) and _plans_nothing_new(step, streams, failed_plans):
-            step.failed_streams.add(streams)  # its plan is one stream, or one that did not fit: given up, as one
-            continue                          # that failed, for this and later input shapes
         captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
             if missed:
@@ -133,9 +131,6 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         if streams == 1:
             break
         widest = _program_width(step, streams)
-        failed = _schedule_of(step, streams)
-        if failed is not None:
-            failed_plans.add(failed.placement)
         # free the module (and the compiled code) that did not fit or cannot be captured
         step.failed_streams.add(streams)
         step.modules.pop(streams, None)
@@ -143,14 +138,13 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         step._runner.failed()
         if not step.graphs:  # the side streams' cuBLAS workspaces, where no graph replays into them
             compat.clear_cublas_workspaces()
-        on = describe(streams if isinstance(streams, TrainingMemory) else widest or streams)
+        on = describe(widest or streams)
         fallback = (f"the step on {on} does not fit in memory ({why})" if memory else
                     f"capturing the step on {on} failed {attempt} times ({why})")
         log.fallbacks.append(fallback)
         missed.append(fallback)
         if not memory:
             widest = 2  # a failure memory does not explain: fewer side streams would not help, one stream may
-            only_memory = False
     log.fallbacks.append(f"capturing the step on 1 stream failed ({why})")
     step._warn_once(f"concur.train_step: {''.join(m + '; ' for m in missed)}capturing the step on 1 stream failed "
                     f"({why}); this input shape runs eagerly, every kernel launched from Python (slower). Once the "
@@ -160,33 +154,10 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     return None
 
 
-def _no_narrower(rung: Rung, widest: int | None, only_memory: bool) -> bool:
-    """Whether ``rung`` would need no less than the program that just did not fit (``widest`` streams).
-
-    A stream count no lower than it would not; a plan for training's memory
-    would, unless a failure memory does not explain came first (fewer side
-    streams would not help it); one stream is always tried.
-    """
-    if rung == 1:
-        return False
-    if isinstance(rung, TrainingMemory):
-        return not only_memory
-    return widest is not None and isinstance(rung, int) and rung >= widest
-
-
-def _plans_nothing_new(step: CapturingStep, rung: TrainingMemory, failed_plans: set) -> bool:
-    """Whether ``rung``'s module plans one stream, or a schedule that already did not fit (a small model
-    whose saved activations all fit the budget); such a module is dropped. Where planning itself fails, the
-    capture says why."""
-    try:
-        step._module(rung)
-    except Exception:  # noqa: BLE001 - out of memory while planning, say: _capture_on meets it again, and tells
-        return False
-    planned = _schedule_of(step, rung)
-    if planned is not None and (planned.num_streams == 1 or planned.placement in failed_plans):
-        step.modules.pop(rung, None)
-        return True
-    return False
+def _no_narrower(rung: Rung, widest: int | None) -> bool:
+    """Whether ``rung`` would need no less than the program that just did not fit (``widest`` streams): a
+    stream count no lower than it; one stream is always tried."""
+    return rung != 1 and widest is not None and isinstance(rung, int) and rung >= widest
 
 
 def _schedule_of(step: CapturingStep, rung: Rung) -> Schedule | None:
@@ -287,26 +258,68 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
     their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
 
     Every program at once needs more memory than one: where capturing them
-    fails, the prediction decides (not cached), and the predicted program
-    alone is captured, as where a timing before the step fails; where that
-    one does not fit either, :func:`capture_with_fallback` drops to one
-    stream.
+    runs out of it, the predicted program alone is captured, and the first
+    calls time it and then the one-stream program, each alone
+    (:class:`concur.training.trial.OneAtATime`). Where they fail for another
+    reason, the prediction decides (not cached), as where a timing before
+    the step fails. Where the predicted program alone does not fit either,
+    :func:`capture_with_fallback` drops to fewer streams.
     """
     choice = trial_choice(step, streams)
-    failure = None
+    failure, memory = None, False
     if choice is not None:
         try:
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
             return step._trial.programs[choice.program_of_default()]
         except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
-            failure = failure_text(exc)
+            failure, memory = failure_text(exc), is_out_of_memory(exc)
+    # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
+    warmup = 1 if key in step.warmed_keys else None
     if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
         step.capture_log.failures += 1
         step._trial = None
         step._runner.failed()
-        step.step_decisions.append(step._module(streams).settle(None, failure))
-    # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
-    return capture(step, inputs, targets, streams, phase, warmup=1 if key in step.warmed_keys else None)
+        module = step._module(streams)
+        if not memory:
+            step.step_decisions.append(module.settle(None, failure))
+        else:
+            module.time_predicted_alone()
+            try:
+                captured = capture(step, inputs, targets, streams, phase, warmup=warmup)
+            except Exception:
+                step.step_decisions.append(module.settle(None, failure))
+                raise
+            step._trial = OneAtATime(key, [None, captured], device=cuda_device(module, inputs))
+            return captured
+    return capture(step, inputs, targets, streams, phase, warmup=warmup)
+
+
+def capture_one_stream_of(step: CapturingStep, trial: OneAtATime, inputs: tuple, targets: Any,
+                          phase: tuple[bool, bool]) -> Captured | None:
+    """Free the predicted program ``trial`` timed and capture its one-stream program in a new pool, as the
+    graph of the trial's shape; return it, or None where it could not be captured (the prediction then
+    decides, and the trial ends)."""
+    streams = trial.programs[1].streams
+    module = step._module(streams)
+    trial.programs[1] = None  # its pool goes back only once no graph captured into it is referred to
+    step.graphs.clear()
+    step._gradients.bound = step._status_of = None
+    step._runner.new_pool()
+    module.run_plan(module.pending_choice().one_stream)
+    try:
+        captured = capture(step, inputs, targets, streams, phase, warmup=1)
+    except Exception as exc:  # noqa: BLE001 - it needs less than the program that fitted; should it not, say why
+        why = failure_text(exc)
+        captured = None
+    if captured is None:
+        step.capture_log.failures += 1
+        step._trial = None
+        step._runner.failed()
+        step.step_decisions.append(module.settle(None, why))
+        return None
+    trial.programs[0] = captured
+    _keep(step, trial.key, captured)
+    return captured
 
 
 def trial_choice(step: CapturingStep, streams: Rung) -> PendingChoice | None:

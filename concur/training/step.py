@@ -51,15 +51,15 @@ from concur.training import captured_optim
 from concur.training.arguments import as_tuple as _as_tuple, check_arguments, check_optimizer, check_streams, \
     make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
-from concur.training.capture import capture_with_fallback
-from concur.training.rungs import Rung, TrainingMemory, describe, stream_rungs
+from concur.training.capture import capture_one_stream_of, capture_with_fallback
+from concur.training.rungs import Rung, stream_rungs
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.gradients import StepGradients
 from concur.training.graph_runner import Captured, batch_tensors, graph_runner as _graph_runner
 from concur.training.step_body import BeforeStep, StepBody
 from concur.training.status import CaptureLog, StepStatus
 from concur.training.step_streams import decide_step_streams
-from concur.training.trial import StepTrial, several_ranks
+from concur.training.trial import OneAtATime, StepTrial, several_ranks
 
 __all__ = ["TrainStep", "train_step"]
 
@@ -153,7 +153,7 @@ class TrainStep:
         # the decisions over the whole step: compile=True (concur.training.step_streams), or unfused, on the first
         # calls (concur.training.trial)
         self.step_decisions: list[decide.Decision] = []
-        self._trial: StepTrial | None = None
+        self._trial: StepTrial | OneAtATime | None = None
         self._warned: set[str] = set()
         self.capture_log = CaptureLog()
         self._status_of: Captured | None = None  # the graph the status was last read for
@@ -222,8 +222,6 @@ class TrainStep:
         """Why ``captured`` runs ``streams`` streams where more were asked for; "" where it runs what was asked."""
         narrowed = self.compile and getattr(self.backends.get(captured.streams), "narrowed", False)
         if (captured.streams != self.requested_streams or narrowed) and self.capture_log.fallbacks:
-            if isinstance(captured.streams, TrainingMemory) and streams > 1:  # maybe as many as asked: which plan
-                return f"{self.capture_log.fallbacks[-1]}; running {describe(captured.streams)}"
             return self.capture_log.fallbacks[-1]
         asked = self.requested_streams
         if streams == 1 and (asked == "auto" or asked > 1):
@@ -246,15 +244,12 @@ class TrainStep:
                                                  **self.compile_options)
                 self.modules[streams] = torch.compile(self.model, backend=self.backends[streams], dynamic=False)
             else:
-                training = isinstance(streams, TrainingMemory)  # a rung planned within training's memory
                 # the runs that annotate and time the plan: on setup's stream, in the step's precision
                 with self.setup_stream(), self._body.autocast(self._example):
-                    self.modules[streams] = api.optimize(self.model, self._example,
-                                                         streams=streams.streams if training else streams,
+                    self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
                                                          scheduler=self.scheduler,
                                                          split_weight_grads=self.split_weight_grads,
-                                                         measure=api.DEFERRED if self._can_trial() else True,
-                                                         memory_model="training" if training else "forward")
+                                                         measure=api.DEFERRED if self._can_trial() else True)
         return self.modules[streams]
 
     def _can_trial(self) -> bool:
@@ -332,6 +327,9 @@ class TrainStep:
         # every step): keep it to one key and one lookup.
         batch = batch_tensors(inputs, targets)
         key = (_signature(batch), phase, self._state_key())
+        if isinstance(self._trial, OneAtATime) and self._trial.key == key and self._trial.one_stream_due():
+            # kept as the shape's graph; where it could not be captured the prediction decided, the trial ended
+            capture_one_stream_of(self, self._trial, inputs, targets, phase)
         captured = self.graphs.get(key)
         baked = self._hyperparameter_key() if self._hyper is None else None
         if captured is None and key not in self.eager_keys:
@@ -368,7 +366,7 @@ class TrainStep:
             self._settle_trial(trial)
         return loss
 
-    def _settle_trial(self, trial: StepTrial) -> None:
+    def _settle_trial(self, trial: StepTrial | OneAtATime) -> None:
         """Where the trial's rounds decide, free every graph; the next call captures the chosen program alone.
 
         In a new pool: the trial's pool holds the blocks of every program

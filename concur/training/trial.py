@@ -24,6 +24,10 @@ for its last replay, once per round. Without that wait the host runs ahead
 and the programs keep alternating until the device catches up: on the H100,
 unfused GoogLeNet b8 took 118 calls to decide what its first 16 had timed.
 
+Where every program at once does not fit in memory, :class:`OneAtATime`
+times the predicted program, then the one-stream program, each captured
+alone.
+
 The programs share the step's memory pool, the one-stream program captured
 first, so that the others' caller-stream buffers reuse its blocks
 (:func:`concur.training.capture.capture_trial`). Where one stream wins, the
@@ -104,6 +108,54 @@ class StepTrial:
         if len(rounds) >= ROUNDS or (rounds and decide.settled(rounds)):
             return decide.TimedRounds(rounds[:ROUNDS], measure.others_timing_beside(self.device))
         return None
+
+
+PHASE = 1 + ROUNDS  # the calls that replay one program of a trial one program at a time; the first not counted
+
+
+@dataclass
+class OneAtATime:
+    """Where the programs do not fit in memory side by side: the predicted program, then the one-stream
+    program, each captured alone and replayed by :data:`PHASE` of the step's calls.
+
+    A plan kept on its prediction alone can be slower than one stream where
+    the device is short of memory (the docs' results have a case); so under
+    pressure too the decision is timed, at the price of a capture or two more. The predicted
+    program, captured already, goes first; at :meth:`one_stream_due` the
+    step frees it and captures the one-stream program in a new pool. Round
+    ``i`` pairs the ``i``-th counted replay of each (one stream first, as
+    :class:`StepTrial`'s rounds): not alternating, so a drift between the two
+    halves counts too, but a clear answer is what it is for. Not cached (the
+    cache's decisions are between every candidate timed side by side).
+    """
+
+    key: tuple
+    programs: list[Any]  # the one-stream program's graph (None until captured), the predicted one's (None once freed)
+    device: Any = None
+    timings: list[list[ReplayTiming]] = field(default_factory=lambda: [[], []])  # per program: its replays
+    _calls: int = 0
+
+    def one_stream_due(self) -> bool:
+        """Whether this call is the first of the one-stream program's, which the step captures first."""
+        return self._calls == PHASE and self.programs[0] is None
+
+    def next_program(self) -> tuple[int, Any]:
+        """Return the index and graph of the program this call replays."""
+        i = 1 if self._calls < PHASE else 0
+        self._calls += 1
+        return i, self.programs[i]
+
+    def replayed(self, i: int, timing: ReplayTiming) -> None:
+        """Record the timing of this call's replay of program ``i``."""
+        self.timings[i].append(timing)
+
+    def decided(self) -> list[tuple[float, ...]] | None:
+        """Return the rounds once both programs have had their calls (waiting for the last replay), else None."""
+        if self._calls < 2 * PHASE:
+            return None
+        self.timings[0][-1].wait()
+        rounds = [(one.ms(), other.ms()) for one, other in zip(self.timings[0][1:], self.timings[1][1:])]
+        return decide.TimedRounds(rounds, measure.others_timing_beside(self.device))
 
 
 def several_ranks() -> bool:

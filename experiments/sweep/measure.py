@@ -170,12 +170,11 @@ def prepare_mode(cfg: dict, row: dict, model: Any, x: Any, y: Any, amp_dtype: An
 def describe_mode(p: PreparedMode) -> dict:
     """Fill in what concur made of the model: streams, compiled graphs, the predicted speedup."""
     import concur
-    from concur.training import rungs
 
     row, step = p.row, p.train_step
     if step is not None:
         row["streams_requested"] = step.requested_streams
-        row["graph_streams"] = rungs.plain(next(iter(step.graphs.values())).streams) if step.graphs else None
+        row["graph_streams"] = next(iter(step.graphs.values())).streams if step.graphs else None
         if step.backends:
             row["compiled_graphs"] = compiled_graphs(step)
         # the decisions over the whole step (concur.training.step_streams): kept, measured speedup, source
