@@ -323,6 +323,23 @@ def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kep
     assert again.replayed, "not cached: the next run times again"
 
 
+@pytest.mark.parametrize("streams_ms", [1.2, 0.8])
+def test_another_shape_while_programs_are_timed_one_at_a_time_trains_as_the_plain_loop(monkeypatch, streams_ms):
+    """A smaller batch now and then while the programs are timed one at a time: it runs the plan the module runs
+    then, its graph freed with the others' when the one-stream program is captured and when the choice is
+    made; the run stays the plain loop's, and every shape ends on the program kept."""
+    batches = make_batches(n=36)
+    small = make_batches(n=36, size=3, seed=2)
+    mixed = [small[i] if i % 5 == 4 else b for i, b in enumerate(batches)]
+    runner = FailsOnce(out_of_memory_at_capture_end, one_ms=1.0, streams_ms=streams_ms)
+    step = trial_run(monkeypatch, runner, batches=mixed)
+    (decision,) = step.step_decisions
+    kept = 2 if streams_ms < 1.0 else 1
+    assert decision.source == "measurement" and decision.keep == (kept == 2) and not step.deciding
+    assert len(step.graphs) == 2
+    assert all(runner.plan_of[id(c.graph)][1].schedule.num_streams == kept for c in step.graphs.values())
+
+
 def test_where_the_one_stream_program_alone_cannot_be_captured_the_prediction_decides(monkeypatch):
     runner = FailsOnce(out_of_memory_at_capture_end, then=(2,), one_ms=1.0, streams_ms=1.2)
     step = trial_run(monkeypatch, runner)

@@ -295,10 +295,10 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
 
 
 def capture_one_stream_of(step: CapturingStep, trial: OneAtATime, inputs: tuple, targets: Any,
-                          phase: tuple[bool, bool]) -> Captured | None:
-    """Free the predicted program ``trial`` timed and capture its one-stream program in a new pool, as the
-    graph of the trial's shape; return it, or None where it could not be captured (the prediction then
-    decides, and the trial ends)."""
+                          phase: tuple[bool, bool]) -> None:
+    """Free the predicted program ``trial`` timed and capture its one-stream program in a new pool, kept as the
+    graph of the trial's shape. Where it cannot be captured, the prediction decides and the trial ends (the
+    shape's next capture is the ladder's)."""
     streams = trial.programs[1].streams
     module = step._module(streams)
     trial.programs[1] = None  # its pool goes back only once no graph captured into it is referred to
@@ -316,10 +316,9 @@ def capture_one_stream_of(step: CapturingStep, trial: OneAtATime, inputs: tuple,
         step._trial = None
         step._runner.failed()
         step.step_decisions.append(module.settle(None, why))
-        return None
+        return
     trial.programs[0] = captured
     _keep(step, trial.key, captured)
-    return captured
 
 
 def trial_choice(step: CapturingStep, streams: Rung) -> PendingChoice | None:

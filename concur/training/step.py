@@ -328,7 +328,6 @@ class TrainStep:
         batch = batch_tensors(inputs, targets)
         key = (_signature(batch), phase, self._state_key())
         if isinstance(self._trial, OneAtATime) and self._trial.key == key and self._trial.one_stream_due():
-            # kept as the shape's graph; where it could not be captured the prediction decided, the trial ended
             capture_one_stream_of(self, self._trial, inputs, targets, phase)
         captured = self.graphs.get(key)
         baked = self._hyperparameter_key() if self._hyper is None else None
