@@ -212,36 +212,43 @@ def test_train_step_smaller_last_batch_gets_its_own_graph():
     assert deviation[0] < 1e-5 and (deviation <= allowed).all()
 
 
-def test_train_step_times_its_programs_on_its_first_calls(tmp_path, monkeypatch):
-    """Unfused on CUDA, nothing cached: the first calls replay each program in turn, timed; then one graph stays.
-
-    Every call is a real step, whichever program it replays: the run stays
-    within the eager loop's envelope throughout.
-    """
-    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
+def _run_trial(name: str, calls: int) -> concur.TrainStep:
+    """GoogLeNet unfused on 4 streams for ``calls`` steps, nothing cached; the run within the eager loop's
+    envelope, and one private pool left (no empty_cache here: a run calls none later, and one would hide a pool
+    the step kept alive until then). Returns the step."""
     make, size, batch = MODELS["googlenet"]
     torch.manual_seed(0)
     model = make().cuda().train()
     ref, twin = copy.deepcopy(model), perturbed(model)
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
-                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(40)]
+                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(calls)]
     make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
     opt = make_opt(model.parameters())
     step = concur.train_step(model, _loss, opt, batches[0], streams=4)
     losses = torch.tensor(_train(model, opt, batches, step))
     (decision,) = step.step_decisions
-    print(f"trial: {decision.reason}")
-    assert decision.source == "measurement" and decision.measured.rounds >= 3
+    print(f"{name}: {decision.reason}")
     assert not step.deciding and len(step.graphs) == 1
-    # the trial's pool went back when the kept program was captured again (no empty_cache here: a run calls none
-    # later, and one would hide a pool the step kept alive until then): one private pool is left
     pools = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()
              if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
     assert len(pools) == 1, f"private pools held after the trial: {sorted(pools)}"
     expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
     envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
-    assert_within_envelope("googlenet/trial", losses, expected, envelope, model, ref, twin)
+    assert_within_envelope(f"googlenet/{name}", losses, expected, envelope, model, ref, twin)
+    return step
+
+
+def test_train_step_times_its_programs_on_its_first_calls(tmp_path, monkeypatch):
+    """Unfused on CUDA, nothing cached: the first calls replay each program in turn, timed; then one graph stays,
+    the trial's pool given back when the kept program was captured again.
+
+    Every call is a real step, whichever program it replays: the run stays
+    within the eager loop's envelope throughout.
+    """
+    monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
+    (decision,) = _run_trial("trial", 40).step_decisions
+    assert decision.source == "measurement" and decision.measured.rounds >= 3
 
 
 def test_train_step_times_its_programs_one_at_a_time_where_together_they_do_not_fit(tmp_path, monkeypatch):
@@ -256,27 +263,8 @@ def test_train_step_times_its_programs_one_at_a_time_where_together_they_do_not_
 
     monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(capture_mod, "capture_trial", out_of_memory)
-    make, size, batch = MODELS["googlenet"]
-    torch.manual_seed(0)
-    model = make().cuda().train()
-    ref, twin = copy.deepcopy(model), perturbed(model)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randn(batch, 3, size, size, device="cuda", generator=g),
-                torch.randint(0, 1000, (batch,), device="cuda", generator=g)) for _ in range(24)]
-    make_opt = lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)  # noqa: E731
-    opt = make_opt(model.parameters())
-    step = concur.train_step(model, _loss, opt, batches[0], streams=4)
-    losses = torch.tensor(_train(model, opt, batches, step))
-    (decision,) = step.step_decisions
-    print(f"one at a time: {decision.reason}")
+    (decision,) = _run_trial("one at a time", 24).step_decisions
     assert decision.source == "measurement" and decision.measured.rounds == trial_rounds
-    assert not step.deciding and len(step.graphs) == 1
-    pools = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()
-             if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)}
-    assert len(pools) == 1, f"private pools held after the trial: {sorted(pools)}"
-    expected = torch.tensor(_train(ref, make_opt(ref.parameters()), batches))
-    envelope = torch.tensor(_train(twin, make_opt(twin.parameters()), batches))
-    assert_within_envelope("googlenet/one at a time", losses, expected, envelope, model, ref, twin)
 
 
 def _googlenet_with_dropout(p=0.5):
