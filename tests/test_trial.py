@@ -268,12 +268,12 @@ def test_auto_times_every_stream_count_on_the_first_calls_and_keeps_the_fewest_w
 
 
 class FailsOnce(TrialGraphs):
-    """The trial's second capture (every program at once) fails once, ``fail()`` raising; so do the captures
-    numbered in ``then`` (the one-stream program, captured alone)."""
+    """The trial's capture number ``at`` (of every program at once: 0 the one-stream program's, 1 the plan's)
+    fails once, ``fail()`` raising; so do the captures numbered in ``then`` (the one-stream program, alone)."""
 
-    def __init__(self, fail, then=(), **timing):
+    def __init__(self, fail, then=(), at=1, **timing):
         super().__init__(**timing)
-        self.fail, self.fail_at = fail, {1, *then}
+        self.fail, self.fail_at = fail, {at, *then}
 
     def capture(self, body, step):
         if self.captures in self.fail_at:
@@ -298,14 +298,15 @@ def not_permitted_while_capturing():
 ONE_AT_A_TIME_CALLS = 2 * trial_mod.PHASE
 
 
-@pytest.mark.parametrize("streams_ms", [1.2, 0.8])
+@pytest.mark.parametrize("streams_ms, failed_at", [(1.2, 1), (0.8, 1), (0.8, 0)])
 def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kept(monkeypatch, caplog,
-                                                                                   streams_ms):
+                                                                                   streams_ms, failed_at):
     """Out of memory capturing every program at once: the predicted program is captured alone and timed on
     the first calls, then freed and the one-stream program captured in a new pool and timed; the faster is
     kept, not cached (a plan kept on its prediction under memory pressure can be much slower), the INFO line
-    says how it was timed, and the run equals the plain loop throughout."""
-    runner = FailsOnce(out_of_memory_at_capture_end, one_ms=1.0, streams_ms=streams_ms)
+    says how it was timed, and the run equals the plain loop throughout. Whichever program's capture ran out
+    (``failed_at``), the plan is timed first."""
+    runner = FailsOnce(out_of_memory_at_capture_end, at=failed_at, one_ms=1.0, streams_ms=streams_ms)
     with caplog.at_level("INFO", logger="concur"):
         step = trial_run(monkeypatch, runner)
     assert "timed one at a time, side by side they do not fit in memory" in caplog.text

@@ -200,9 +200,11 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
     def time_predicted_alone(self) -> None:
         """Narrow the current mode's pending choice to one stream against the predicted plan
-        (:meth:`PendingChoice.predicted_alone`): the caller times the two one at a time."""
+        (:meth:`PendingChoice.predicted_alone`), and run the predicted plan: the caller times it, then the
+        one-stream plan, one at a time."""
         key = self._mode_key()
-        self._pending[key] = self._pending[key].predicted_alone()
+        self._pending[key] = choice = self._pending[key].predicted_alone()
+        self.run_plan(choice.plans[0])
 
     def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> decide.Decision:
         """Decide the current mode's pending choice on the caller's timed ``rounds``, or by prediction where
