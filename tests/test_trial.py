@@ -316,6 +316,10 @@ def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kep
     assert runner.replayed == [2] * trial_mod.PHASE + [1] * trial_mod.PHASE, "the predicted program first"
     assert runner.released[0], "the predicted program's pool given back before the one-stream program's capture"
     kept = 2 if streams_ms < 1.0 else 1
+    # captured: the one-stream program beside the plan (where it was not the one that failed), the plan alone, the
+    # one-stream program alone; the plan, where it wins, again (its pool went back); one stream's graph stays
+    assert runner.captures == (4 if kept == 2 else 3) - (failed_at == 0)
+    assert runner.new_pools == (2 if kept == 2 else 1)
     assert not step.deciding and len(step.graphs) == 1 and step.module.plan.schedule.num_streams == kept
     assert runner.plan_of[id(next(iter(step.graphs.values())).graph)][1].schedule.num_streams == kept
     assert step.status.streams == kept and step.status.failures == 1 and not step.failed_streams

@@ -371,14 +371,18 @@ class TrainStep:
         In a new pool: the trial's pool holds the blocks of every program
         (the one-stream program's, and the others' side-stream blocks), which
         the chosen one alone would keep reserved for the life of the step.
-        The capture warms up once.
+        The capture warms up once. Timed one at a time, where one stream wins
+        its graphs stay: the one-stream program's pool holds nothing else.
         """
         rounds = trial.decided()
         if rounds is None:
             return
         self._trial = None
         # the module that started the trial: the one asked for, or fewer streams where that did not fit
-        self.step_decisions.append(self.modules[trial.programs[0].streams].settle(rounds))
+        decision = self.modules[trial.programs[0].streams].settle(rounds)
+        self.step_decisions.append(decision)
+        if isinstance(trial, OneAtATime) and not decision.keep:
+            return
         self.graphs.clear()
         # the pool goes back to the device only once no graph captured into it is referred to anywhere
         self._gradients.bound = self._status_of = None
