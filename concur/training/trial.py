@@ -120,13 +120,14 @@ class OneAtATime:
 
     A plan kept on its prediction alone can be slower than one stream where
     the device is short of memory (the docs' results have a case); so under
-    pressure too the decision is timed, at the price of a capture or two more. The predicted
-    program, captured already, goes first; at :meth:`one_stream_due` the
-    step frees it and captures the one-stream program in a new pool. Round
-    ``i`` pairs the ``i``-th counted replay of each (one stream first, as
-    :class:`StepTrial`'s rounds): not alternating, so a drift between the two
-    halves counts too, but a clear answer is what it is for. Not cached (the
-    cache's decisions are between every candidate timed side by side).
+    pressure too the decision is timed, at the price of a capture or two
+    more. The predicted program, captured already, goes first; at
+    :meth:`one_stream_due` the step frees it and captures the one-stream
+    program in a new pool. Round ``i`` pairs the ``i``-th counted replay of
+    each (one stream first, as :class:`StepTrial`'s rounds): not
+    alternating, so a drift between the two halves counts too, but a clear
+    answer is what it is for. Not cached (the cache's decisions are between
+    every candidate timed side by side).
     """
 
     key: tuple
