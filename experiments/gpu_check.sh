@@ -21,9 +21,10 @@
 #   setup      experiments/setup_cost.py, one setup at a time (setup times are wall times) for each of SETUP_SPECS
 #              ("MODEL BATCH STREAMS [--compile]" separated by ";"), SETUP_PAIRS pairs each (default 1): what the
 #              measured decisions add to setup; OUT/setup/setup.txt, OUT/setup/setup.jsonl
-#   host       python -m experiments.host_time --profile 10 --python HOST_PYTHON (default 50) for each of HOST_SPECS ("MODEL BATCH [--compile]" separated
-#              by ";", default "googlenet 8;resnet50 64 --compile"): a synced step's host time per call before its
-#              replay, concur against the recipe; OUT/host/host.txt, OUT/host/host.jsonl
+#   host       python -m experiments.host_time --profile 10 --python HOST_PYTHON (default 50) for each of
+#              HOST_SPECS ("MODEL BATCH [--compile]" separated by ";", default "googlenet 8;resnet50 64 --compile"):
+#              a synced step's host time per call before its replay, concur against the recipe, and the Python
+#              functions by their own time; OUT/host/host.txt, OUT/host/host.jsonl
 #   wrappers   golden wrappers + scheduler oracle (experiments/capture_wrappers.py) for GoogLeNet, Inception-v3
 #              and ResNet-50 in fp32 and bf16, 6 processes side by side; packed to OUT/wrappers/wrappers_cuda.tgz
 # DEADLINE (default 585 s) bounds the steps that run side by side, so what finished is written before the call's limit.
@@ -107,7 +108,8 @@ for step in "$@"; do
           for spec in "${specs[@]}"; do
             read -r m b c <<< "$spec"
             timeout -k 5 $(( ${DEADLINE:-585} - SECONDS - 10 )) python3 -m experiments.host_time --model "$m" \
-              --batch "$b" ${c:-} --profile 10 --python ${HOST_PYTHON:-50} --json "$dir/host.jsonl" 2>&1 | grep -v Warning | tee -a "$dir/host.txt"
+              --batch "$b" ${c:-} --profile 10 --python ${HOST_PYTHON:-50} --json "$dir/host.jsonl" 2>&1 \
+              | grep -v Warning | tee -a "$dir/host.txt"
           done ;;
     wrappers) for m in googlenet inception_v3 resnet50; do for p in fp32 bf16_cl; do
                 timeout 540 python3 -m experiments.capture_wrappers --device cuda --models $m --precisions $p \

@@ -331,8 +331,8 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     step's backward needs: an activation saved on a side stream is freed into
     that stream's blocks, which the backward's allocations on the caller's
     stream cannot reuse, so side streams get only the branches whose saved
-    activations fit (:func:`concur.train_step` tries it where the forward's
-    budget did not fit in memory).
+    activations fit: a plan for a training loop short of memory
+    (:func:`concur.train_step` keeps the default).
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
