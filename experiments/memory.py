@@ -3,6 +3,7 @@
     PYTHONPATH=. python -m experiments.memory --out DIR [--jobs 4]
     PYTHONPATH=. python -m experiments.memory --out DIR --networks googlenet --batches 64 --paths fused --streams auto
     PYTHONPATH=. python -m experiments.memory --out DIR --batches 64 --jobs 1 --without-streams1   (speeds, alone)
+    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial one-at-a-time
 
 For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
 (experiments/peers.py: ``compile_graph_step`` on the fused path,
@@ -88,6 +89,9 @@ NETWORKS = ("googlenet", "inception_v3", "resnet50", "hrnet_w18_small")
 BATCHES = (8, 64, 128)
 PATHS = ("fused", "unfused")
 RECIPE_OF_PATH = {"fused": "compile_graph", "unfused": "eager_graph"}
+# how an unfused concur step times its programs on its first calls: every program captured at once (the
+# default), or one at a time (concur.training.trial.SIDE_BY_SIDE off)
+TRIALS = ("side-by-side", "one-at-a-time")
 ROW_MARK = "MEMORY_ROW "  # the child's row among whatever else torch prints to stdout
 MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past this it is measured as it stands
 CHILD_TIMEOUT_S = 3600.0
@@ -218,9 +222,11 @@ def _record_failures(row: dict) -> None:
 
 
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
-                 streams: int | str | None) -> Any:
+                 streams: int | str | None, trial: str = TRIALS[0]) -> Any:
     import concur  # here only: the recipe's processes must not load it
+    from concur.training import trial as trial_policy
 
+    trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
@@ -293,7 +299,7 @@ def _train(payload: dict, row: dict) -> None:
         step = recipe(model, loss_fn, optimizer, batch, amp_dtype=torch.bfloat16)
     else:
         _record_failures(row)
-        step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"])
+        step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"])
     step(*batch)
     calls = 1
     # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
@@ -334,7 +340,7 @@ def base_row(payload: dict) -> dict:
     """What every row of a run carries, whatever became of it: the configuration, the side, the versions, the date."""
     return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
-                recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
+                trial=payload["trial"] if payload["who"] == "concur" else None, recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
 
@@ -416,7 +422,8 @@ def _failed_row(payload: dict, error_type: str, error: str, stderr: str) -> dict
 def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: float | None) -> dict:
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
-                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels)
+                limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
+                trial=args.trial)
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -530,6 +537,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
     ap.add_argument("--without-streams1", action="store_true",
                     help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")
+    ap.add_argument("--trial", choices=TRIALS, default=TRIALS[0],
+                    help="how an unfused concur step times its programs on its first calls (concur.training.trial)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

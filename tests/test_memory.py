@@ -196,9 +196,10 @@ def _tiny_setup(warn: str | None = None):
     return setup
 
 
-def _payload(side: str, who: str, streams, limit_bytes=None, path="unfused", network="googlenet") -> dict:
+def _payload(side: str, who: str, streams, limit_bytes=None, path="unfused", network="googlenet",
+             trial="side-by-side") -> dict:
     return dict(network=network, batch=2, path=path, side=side, who=who, streams=streams,
-                limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3)
+                limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3, trial=trial)
 
 
 @pytest.fixture
@@ -255,6 +256,16 @@ def test_an_exception_in_the_child_is_its_outcome_and_an_oom_is_counted_as_one(c
     assert row["outcome"] == "error" and row["oom"] is True
     assert row["error_type"] == type(error).__name__
     assert row["error"] == str(error).splitlines()[0] and row["peak_reserved_mb"] == 200
+
+
+@pytest.mark.parametrize("trial", memory.TRIALS)
+def test_a_concur_row_says_how_its_step_timed_its_programs_and_the_step_timed_them_so(cpu_child, trial):
+    from concur.training import trial as trial_policy
+
+    cpu_child.setattr(trial_policy, "SIDE_BY_SIDE", trial_policy.SIDE_BY_SIDE)  # restored after the test
+    row = memory.child(_payload("concur", "concur", None, trial=trial))
+    assert row["trial"] == trial and trial_policy.SIDE_BY_SIDE == (trial == "side-by-side")
+    assert memory.child(_payload("recipe", "recipe", None, trial=trial))["trial"] is None
 
 
 def test_a_timm_network_without_timm_is_an_error_row(cpu_child):

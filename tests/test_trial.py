@@ -20,6 +20,7 @@ import torch
 
 import concur
 import concur.fx.decision as fx_decision
+import concur.training.capture as capture_mod
 import concur.training.step as train_mod
 from concur.training import rungs, trial as trial_mod
 from tests.models import Towers
@@ -326,6 +327,24 @@ def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kep
     again = FailsOnce(out_of_memory_at_capture_end, one_ms=1.0, streams_ms=streams_ms)
     trial_run(monkeypatch, again)
     assert again.replayed, "not cached: the next run times again"
+
+
+@pytest.mark.parametrize("streams_ms", [1.2, 0.8])
+def test_with_side_by_side_off_the_first_calls_time_the_programs_one_at_a_time(monkeypatch, caplog, streams_ms):
+    """``trial.SIDE_BY_SIDE = False``: nothing fails, yet no capture holds every program at once; the predicted
+    program is captured alone and timed, then the one-stream program, and the faster is kept."""
+    monkeypatch.setattr(trial_mod, "SIDE_BY_SIDE", False)
+    monkeypatch.setattr(capture_mod, "capture_trial", lambda *a, **k: pytest.fail("every program captured at once"))
+    runner = TrialGraphs(one_ms=1.0, streams_ms=streams_ms)
+    with caplog.at_level("INFO", logger="concur"):
+        step = trial_run(monkeypatch, runner)
+    assert "timed one at a time, to hold one program's memory at a time" in caplog.text
+    (decision,) = step.step_decisions
+    kept = 2 if streams_ms < 1.0 else 1
+    assert decision.source == "measurement" and decision.keep == (kept == 2), decision.reason
+    assert runner.replayed == [2] * trial_mod.PHASE + [1] * trial_mod.PHASE, "the predicted program first"
+    assert runner.captures == (3 if kept == 2 else 2) and runner.released[0]
+    assert step.module.plan.schedule.num_streams == kept and step.status.failures == 0
 
 
 @pytest.mark.parametrize("streams_ms", [1.2, 0.8])

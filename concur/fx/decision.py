@@ -113,11 +113,11 @@ class PendingChoice:
     key: str | None  # where the decision is cached once timed; None: not cached
     default: int
 
-    def predicted_alone(self) -> "PendingChoice":
+    def predicted_alone(self, why: str) -> "PendingChoice":
         """The choice between one stream and the predicted candidate alone, not cached: where the programs
-        are timed one at a time (:class:`concur.training.trial.OneAtATime`), since side by side they do not
-        fit in memory. The cache holds decisions between every candidate, timed side by side."""
-        return replace(self, what=f"{self.what} (timed one at a time, side by side they do not fit in memory)",
+        are timed one at a time (:class:`concur.training.trial.OneAtATime`; ``why``, said in the decision's
+        line). The cache holds decisions between every candidate, timed side by side."""
+        return replace(self, what=f"{self.what} (timed one at a time, {why})",
                        predictions=[self.predictions[self.default]], plans=[self.plans[self.default]],
                        timed=[0], key=None, default=0)
 

@@ -47,6 +47,7 @@ from concur.training.rungs import Rung, describe, stream_rungs
 from concur.training.snapshot import Snapshot
 from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
+from concur.training import trial as trial_policy
 from concur.training.trial import OneAtATime, StepTrial
 
 __all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
@@ -258,8 +259,9 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
     their trial (:mod:`concur.training.trial`), returning the predicted one's graph.
 
     Every program at once needs more memory than one: where capturing them
-    runs out of it, the predicted program alone is captured, and the first
-    calls time it and then the one-stream program, each alone
+    runs out of it, or where :data:`concur.training.trial.SIDE_BY_SIDE` is
+    off, the predicted program alone is captured, and the first calls time
+    it and then the one-stream program, each alone
     (:class:`concur.training.trial.OneAtATime`). Where they fail for another
     reason, the prediction decides (not cached), as where a timing before
     the step fails. Where the predicted program alone does not fit either,
@@ -267,31 +269,46 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
     """
     choice = trial_choice(step, streams)
     failure, memory = None, False
+    if choice is not None and not trial_policy.SIDE_BY_SIDE:
+        return _capture_predicted_alone(step, inputs, targets, key, streams, phase, "to hold one program's memory at a time",
+                                        failure=None)
     if choice is not None:
         try:
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
             return step._trial.programs[choice.program_of_default()]
         except Exception as exc:  # noqa: BLE001 - out of memory, most likely: one program may still fit
             failure, memory = failure_text(exc), is_out_of_memory(exc)
-    # a shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not warmup
-    warmup = 1 if key in step.warmed_keys else None
     if failure is not None:  # outside the except block: its traceback no longer holds the programs' tensors
         step.capture_log.failures += 1
         step._trial = None
         step._runner.failed()
-        module = step._module(streams)
-        if not memory:
-            step.step_decisions.append(module.settle(None, failure))
-        else:
-            module.time_predicted_alone()
-            try:
-                captured = capture(step, inputs, targets, streams, phase, warmup=warmup)
-            except Exception:
-                step.step_decisions.append(module.settle(None, failure))
-                raise
-            step._trial = OneAtATime(key, [None, captured], device=cuda_device(module, inputs))
-            return captured
-    return capture(step, inputs, targets, streams, phase, warmup=warmup)
+        if memory:
+            return _capture_predicted_alone(step, inputs, targets, key, streams, phase,
+                                            "side by side they do not fit in memory", failure)
+        step.step_decisions.append(step._module(streams).settle(None, failure))
+    return capture(step, inputs, targets, streams, phase, warmup=_warmup_of(step, key))
+
+
+def _warmup_of(step: CapturingStep, key: tuple) -> int | None:
+    """A shape warmed up before (a graph dropped by the trial or evicted) needs one pass, not the warm-up."""
+    return 1 if key in step.warmed_keys else None
+
+
+def _capture_predicted_alone(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
+                             phase: tuple[bool, bool], why: str, failure: str | None) -> Captured:
+    """Capture the predicted program alone and start timing it, then the one-stream program, on the first calls
+    (:class:`concur.training.trial.OneAtATime`; ``why``: said in the decision's line). Where it cannot be
+    captured, the prediction decides, on ``failure`` (the capture of every program at once that ran out of
+    memory) or on this capture's own failure, and the error goes to :func:`capture_with_fallback`."""
+    module = step._module(streams)
+    module.time_predicted_alone(why)
+    try:
+        captured = capture(step, inputs, targets, streams, phase, warmup=_warmup_of(step, key))
+    except Exception as exc:
+        step.step_decisions.append(module.settle(None, failure or failure_text(exc)))
+        raise
+    step._trial = OneAtATime(key, [None, captured], device=cuda_device(module, inputs))
+    return captured
 
 
 def capture_one_stream_of(step: CapturingStep, trial: OneAtATime, inputs: tuple, targets: Any,

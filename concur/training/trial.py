@@ -112,6 +112,13 @@ class StepTrial:
 
 PHASE = 1 + ROUNDS  # the calls that replay one program of a trial one program at a time; the first not counted
 
+# How an unfused step's first calls time its programs where every one would fit: side by side (every program
+# captured at once, in one pool; rounds alternate, so a drift on the device counts against none of them), or
+# one at a time (:class:`OneAtATime` from the start: setup holds one program's pool at a time, where side by
+# side it holds the one-stream program's blocks and the others' side-stream blocks together). Read at each
+# trial's start; ``experiments/memory.py --trial one-at-a-time`` measures the other way.
+SIDE_BY_SIDE = True
+
 
 @dataclass
 class OneAtATime:
