@@ -13,7 +13,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from concur import _torch_compat as compat
-from concur.training.captured_optim import DeviceHyperparameters, build_update, structure, unsupported_reason
+from concur.training.captured_optim import (DeviceHyperparameters, GroupsWatch, build_update, structure,
+                                           unsupported_reason)
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -54,6 +55,64 @@ def test_the_update_equals_the_optimizers_step_and_reads_a_changed_lr_and_beta_a
         hyper.refresh()
     for p, q in zip(reference, params):
         torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-12)
+
+
+
+def test_a_refresh_where_no_group_changed_reads_nothing_and_one_after_any_change_writes_it(monkeypatch):
+    """refresh runs before every replay: with the same values it reads no group; a new value, a tensor value
+    changed in place, a list of betas changed in place and a reloaded state are all written."""
+    p = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.Adam([p], lr=0.1)
+    hyper = DeviceHyperparameters(opt)
+    lr = hyper.scalar(0, "lr", torch.float64, torch.device("cpu"))
+    betas = hyper.scalar(0, "betas", torch.float64, torch.device("cpu"))
+    writes = []
+    write = DeviceHyperparameters._write
+    monkeypatch.setattr(DeviceHyperparameters, "_write", lambda self, key: (writes.append(key), write(self, key)))
+    hyper.refresh()
+    writes.clear()
+    for _ in range(3):
+        hyper.refresh()
+    assert writes == [], "nothing changed: nothing read"
+    opt.param_groups[0]["lr"] = 0.05
+    hyper.refresh()
+    assert lr.item() == 0.05
+    opt.param_groups[0]["betas"] = [0.8, 0.99]
+    hyper.refresh()
+    opt.param_groups[0]["betas"][0] = 0.7  # the same list, changed in place
+    hyper.refresh()
+    assert betas[0, 0].item() == 0.7
+    opt.param_groups[0]["lr"] = torch.tensor(0.02, dtype=torch.float64)
+    hyper.refresh()
+    opt.param_groups[0]["lr"].fill_(0.01)  # the same tensor, changed in place
+    hyper.refresh()
+    assert lr.item() == 0.01
+    opt.param_groups[0]["lr"] = 0.3
+    hyper.refresh()
+    saved = opt.state_dict()
+    opt.param_groups[0]["lr"] = 0.4
+    hyper.refresh()
+    opt.load_state_dict(saved)
+    hyper.refresh()
+    assert lr.item() == 0.3
+
+
+def test_a_groups_watch_finds_them_unchanged_only_while_they_hold_the_same_immutable_values():
+    p = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    watch = GroupsWatch(opt)
+    assert not watch.unchanged(), "the first look"
+    assert watch.unchanged() and watch.unchanged()
+    opt.param_groups[0]["lr"] = float("0.1")  # equal, another object: read again (the same answer)
+    assert not watch.unchanged() and watch.unchanged()
+    opt.param_groups[0]["new"] = 1  # a key added
+    assert not watch.unchanged() and watch.unchanged()
+    opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    assert not watch.unchanged() and watch.unchanged()
+    opt.param_groups[0]["params"].append(torch.zeros(1, requires_grad=True))  # not watched: the graph key has it
+    assert watch.unchanged()
+    opt.param_groups[1]["lr"] = torch.tensor(0.1)
+    assert not watch.unchanged() and not watch.unchanged(), "a tensor may change in place: never unchanged"
 
 
 def test_only_plain_sgd_adam_and_adamw_are_supported():

@@ -38,6 +38,7 @@ L2 weight decay, one op more (below).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,6 +87,45 @@ def structure(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(out)
 
 
+# Values a param group holds that stay what they are while the group holds the same object
+_IMMUTABLE = (float, int, bool, str, type(None))
+
+
+def _immutable(value: object) -> bool:
+    return type(value) in _IMMUTABLE or (type(value) is tuple and all(type(v) in _IMMUTABLE for v in value))
+
+
+class GroupsWatch:
+    """Whether an optimizer's param groups still hold the very hyperparameter objects they held at the last look.
+
+    A call before each replay that finds them unchanged can skip what is a
+    function of their values alone (the hyperparameter key, the refresh of
+    the device tensors): the same object is the same value, as long as no
+    value can change in place. A tensor or a list can, so a group holding one
+    is never found unchanged; neither is the first look, nor a group added or
+    replaced (``load_state_dict``) whose values are other objects. The
+    ``params`` lists are not watched (the graph key has their ids and lengths).
+    Each reader keeps a watch of its own: a look moves the watch on.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._last: list[tuple[tuple, tuple]] | None = None
+        self._immutable = False  # whether the values of the last look are all immutable
+
+    def unchanged(self) -> bool:
+        """Look at the groups now: True if every group holds what it held at the last look, all immutable."""
+        groups = self.optimizer.param_groups
+        now = [(tuple(g), tuple(g.values())) for g in groups]
+        last, self._last = self._last, now
+        if last is not None and len(last) == len(now) and all(
+                keys == last_keys and all(map(operator.is_, values, last_values))
+                for (keys, values), (last_keys, last_values) in zip(now, last)):
+            return self._immutable  # the same objects: as immutable as they were
+        self._immutable = all(_immutable(v) for g in groups for k, v in g.items() if k != "params")
+        return False
+
+
 def _nonzero(x: float | torch.Tensor) -> bool:
     return bool(x != 0) if not isinstance(x, torch.Tensor) else True  # a tensor value may change: keep its code
 
@@ -124,6 +164,7 @@ class DeviceHyperparameters:
         self.optimizer = optimizer
         self.tensors: dict[tuple[int, str, torch.dtype, torch.device], torch.Tensor] = {}
         self.seen: dict[tuple, object] = {}
+        self._groups = GroupsWatch(optimizer)
 
     def scalar(self, group: int, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Return the tensor holding ``name`` (a key of ``_DERIVED``) of param group ``group``, filled now.
@@ -139,7 +180,14 @@ class DeviceHyperparameters:
         return self.tensors[key]
 
     def refresh(self) -> None:
-        """Write every hyperparameter that changed since the last refresh into its tensors (no host sync)."""
+        """Write every hyperparameter that changed since the last refresh into its tensors (no host sync).
+
+        A tensor made since (:meth:`scalar`) was filled when it was made, so
+        where the groups hold the same values as at the last refresh
+        (:class:`GroupsWatch`) nothing is read: this runs before every replay.
+        """
+        if self._groups.unchanged():
+            return
         for key in self.tensors:
             self._write(key)
 

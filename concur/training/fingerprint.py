@@ -8,18 +8,24 @@ are fingerprinted on every call and form part of the graph's key, so a
 change gives a new capture, never a replay of a stale graph.
 
 The module tree is walked again only after a registration somewhere:
-torch's global registration hooks count them (walking a 240-module model
-costs ~0.6 ms, reading its flags from a kept list ~0.05 ms). Those hooks are
-process-wide, so they are registered while at least one step watches and
-removed when the last one is gone.
+torch's global registration hooks count them (walking the tree costs about
+ten times reading its flags from a kept list). Those hooks are process-wide,
+so they are registered while at least one step watches and removed when the
+last one is gone.
+
+The graph key holds the state as a number (:meth:`ModelFingerprint.state_id`):
+the state itself is a tuple of a few hundred values, which every lookup of the
+step's graphs would hash again; here a call compares it once with the last
+state and hashes it only where it changed.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -64,7 +70,28 @@ class _Registrations:
 
 REGISTRATIONS = _Registrations()
 _TRAINING = operator.attrgetter("training")
+_TRAINING_IN_DICT = operator.itemgetter("training")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+STATES_KEPT = 256  # distinct states numbered before the numbering starts over (graphs of older ones are recaptured)
+
+
+def _training_flags(modules: tuple[nn.Module, ...]) -> Callable[[], tuple]:
+    """A reader of the modules' train flags. ``nn.Module.train`` and ``m.training = x`` both write the flag into
+    the module's ``__dict__``, read there without ``nn.Module``'s attribute lookup (about half the time); a
+    module that keeps it elsewhere (a property, say), or no longer there, has every flag read as an attribute."""
+    def attributes() -> tuple:
+        return tuple(map(_TRAINING, modules))
+
+    if not all("training" in vars(m) for m in modules):
+        return attributes
+    dicts = tuple(vars(m) for m in modules)
+
+    def in_dicts() -> tuple:
+        try:
+            return tuple(map(_TRAINING_IN_DICT, dicts))
+        except KeyError:
+            return attributes()
+    return in_dicts
 
 
 def _hashable(value: Any) -> Any:
@@ -80,7 +107,7 @@ def _hashable(value: Any) -> Any:
 
 
 class ModelFingerprint:
-    """The model's tree, flags and storages and the optimizer's groups, as a key (~50 us at 240 modules)."""
+    """The model's tree, flags and storages and the optimizer's groups, as a key read before every replay."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -88,8 +115,12 @@ class ModelFingerprint:
         weakref.finalize(self, REGISTRATIONS.unwatch)
         self._registrations = REGISTRATIONS.count
         self.tree = self._walk()
+        self._flags = _training_flags(self.tree[0])
         self.tree_version = 0
         self.loads = [0]  # optimizer.load_state_dict calls, counted by a hook the step registers
+        self._numbers = itertools.count()
+        self._states: dict[tuple, int] = {}
+        self._last: tuple[tuple | None, int] = (None, -1)
 
     def _walk(self) -> tuple:
         return tuple(self.model.modules()), tuple(self.model.parameters()), tuple(self.model.buffers())
@@ -102,8 +133,28 @@ class ModelFingerprint:
         tree = self._walk()
         if any(len(a) != len(b) or any(x is not y for x, y in zip(a, b)) for a, b in zip(tree, self.tree)):
             self.tree, self.tree_version = tree, self.tree_version + 1
+            self._flags = _training_flags(tree[0])
             return True
         return False
+
+    def state_id(self, hyperparameter_key: tuple) -> int:
+        """A number for :meth:`state_key`: equal states, equal numbers; a state not seen before, a new number.
+
+        At most :data:`STATES_KEPT` states are numbered at once (an optimizer
+        whose values are baked into its graphs makes a new state per value);
+        past that the numbering starts over with numbers never given before,
+        so a number never stands for two states.
+        """
+        state = self.state_key(hyperparameter_key)
+        last, number = self._last
+        if state != last:
+            number = self._states.get(state)
+            if number is None:
+                if len(self._states) >= STATES_KEPT:
+                    self._states.clear()
+                number = self._states[state] = next(self._numbers)
+            self._last = state, number
+        return number
 
     def state_key(self, hyperparameter_key: tuple) -> tuple:
         """The key: tree version, loads, train flags, ``requires_grad``, parameter storages, groups, hyperparameters.
@@ -114,7 +165,7 @@ class ModelFingerprint:
         modules, params, _ = self.tree
         groups = self.optimizer.param_groups
         # map() over C getters: this runs before every replay, and its time is the step's host overhead
-        return (self.tree_version, self.loads[0], tuple(map(_TRAINING, modules)),
+        return (self.tree_version, self.loads[0], self._flags(),
                 tuple(map(_REQUIRES_GRAD, params)), tuple(map(torch.Tensor.data_ptr, params)),
                 tuple([(id(g["params"]), len(g["params"])) for g in groups]), hyperparameter_key)
 

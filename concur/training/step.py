@@ -132,6 +132,8 @@ class TrainStep:
                           "automatically) to keep the graph.", stacklevel=3)
             self.cuda_graph, self._runner = False, None
         self._fingerprint = ModelFingerprint(model, optimizer)
+        self._groups = captured_optim.GroupsWatch(optimizer)  # the hyperparameter key is read again only on a change
+        self._hyperparameters: tuple = ()
         self._hyper: captured_optim.DeviceHyperparameters | None = None
         self._baked_reason = ""  # why hyperparameters are baked into graphs (and keyed on), if they are
         if self.cuda_graph:
@@ -315,18 +317,21 @@ class TrainStep:
             self._trial = None
             self.warmed_keys.clear()
 
-    def _state_key(self) -> tuple:
-        """What a captured step depends on besides input shapes (:class:`ModelFingerprint`)."""
-        return self._fingerprint.state_key(self._hyperparameter_key())
+    def _state_key(self) -> int:
+        """What a captured step depends on besides input shapes, as a number (:meth:`ModelFingerprint.state_id`)."""
+        return self._fingerprint.state_id(self._hyperparameter_key())
 
     def _hyperparameter_key(self) -> tuple:
-        return hyperparameter_key(self.optimizer, device_values=self._hyper is not None)
+        """:func:`hyperparameter_key`, worked out again only where the param groups changed (:class:`GroupsWatch`)."""
+        if not self._groups.unchanged():
+            self._hyperparameters = hyperparameter_key(self.optimizer, device_values=self._hyper is not None)
+        return self._hyperparameters
 
     def _graph_call(self, inputs: tuple, targets: Any, phase: tuple[bool, bool]) -> torch.Tensor:
         # Everything before replay() is host time the device may wait for (a loop that reads the loss
         # every step): keep it to one key and one lookup.
         batch = batch_tensors(inputs, targets)
-        key = (_signature(batch), phase, self._state_key())
+        key = (_signature(batch), phase, self._state_key())  # small: hashed again by each lookup below
         if isinstance(self._trial, OneAtATime) and self._trial.key == key and self._trial.one_stream_due():
             capture_one_stream_of(self, self._trial, inputs, targets, phase)
         captured = self.graphs.get(key)
