@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m experiments.memory --out DIR [--jobs 4]
     PYTHONPATH=. python -m experiments.memory --out DIR --networks googlenet --batches 64 --paths fused --streams auto
     PYTHONPATH=. python -m experiments.memory --out DIR --batches 64 --jobs 1 --without-streams1   (speeds, alone)
-    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial one-at-a-time
+    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial side-by-side one-at-a-time
 
 For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
 (experiments/peers.py: ``compile_graph_step`` on the fused path,
@@ -12,7 +12,9 @@ memory R, setup included, is the yardstick. Then, each under a process limit
 of ``--limit`` x R (default 1.05): the recipe again (it must fit under its own
 limit), concur's defaults (``train_step(..., amp_dtype=torch.bfloat16,
 compile=path == "fused")``, 4 streams) and concur with ``streams=1``;
-``--streams auto`` adds rows with ``streams="auto"``. A run's outcome is
+``--streams auto`` adds rows with ``streams="auto"``; ``--trial side-by-side
+one-at-a-time`` adds the defaults with an unfused step's first calls timing
+its programs one at a time (``concur_one_at_a_time``). A run's outcome is
 ``fit`` (set up and trained its steps), ``fallback`` (it ran, but concur
 warned that it dropped streams or ran eagerly; the warnings are in the row)
 or ``error`` (the exception's type and first line, e.g. OutOfMemoryError;
@@ -112,25 +114,31 @@ class Config:
 
 @dataclass(frozen=True)
 class Side:
-    """One run under the limit: who runs (``recipe`` or ``concur``) and the ``streams`` passed (None: the default)."""
+    """One run under the limit: who runs (``recipe`` or ``concur``), the ``streams`` passed (None: the default) and
+    how a concur step times its programs on its first calls (``trial``, one of :data:`TRIALS`)."""
 
     name: str
     who: str
     streams: int | str | None = None
+    trial: str = TRIALS[0]
 
 
 RECIPE_ALONE = Side("recipe_alone", "recipe")
 
 
-def limited_sides(extra_streams: list[str], without_streams1: bool = False) -> list[Side]:
+def limited_sides(extra_streams: list[str], without_streams1: bool = False,
+                  trials: Iterable[str] = TRIALS[:1]) -> list[Side]:
     """The runs under the limit: the recipe, concur's defaults, concur on one stream (unless ``without_streams1``:
-    a run that times the defaults alone saves a compile), then each extra stream count."""
-    sides = [Side("recipe", "recipe"), Side("concur", "concur")]
+    a run that times the defaults alone saves a compile), then each extra stream count, then concur's defaults
+    again for each trial after the first (``concur_one_at_a_time``): the first trial is every concur run's."""
+    first, *others = dict.fromkeys(trials)
+    sides = [Side("recipe", "recipe"), Side("concur", "concur", trial=first)]
     if not without_streams1:
-        sides.append(Side("concur_streams1", "concur", 1))
+        sides.append(Side("concur_streams1", "concur", 1, first))
     for s in extra_streams:
         if f"concur_streams{s}" not in {side.name for side in sides}:
-            sides.append(Side(f"concur_streams{s}", "concur", s if s == "auto" else int(s)))
+            sides.append(Side(f"concur_streams{s}", "concur", s if s == "auto" else int(s), first))
+    sides += [Side(f"concur_{trial.replace('-', '_')}", "concur", trial=trial) for trial in others]
     return sides
 
 
@@ -340,7 +348,8 @@ def base_row(payload: dict) -> dict:
     """What every row of a run carries, whatever became of it: the configuration, the side, the versions, the date."""
     return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
-                trial=payload["trial"] if payload["who"] == "concur" else None, recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
+                trial=payload["trial"] if payload["who"] == "concur" else None,
+                recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
 
@@ -423,7 +432,7 @@ def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: 
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
                 limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
-                trial=args.trial)
+                trial=side.trial)
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -432,7 +441,7 @@ def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], 
     emit(alone)
     rows = [alone]
     reserved = alone.get("peak_reserved_mb") if alone["outcome"] != "error" else None
-    for side in limited_sides(args.streams, args.without_streams1):
+    for side in limited_sides(args.streams, args.without_streams1, args.trial):
         if reserved is None:
             row = dict(base_row(_payload(config, side, args, None)), outcome="skipped", oom=False,
                        error=f"the recipe alone gave no peak to limit by ({alone.get('error_type')})")
@@ -537,8 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
     ap.add_argument("--without-streams1", action="store_true",
                     help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")
-    ap.add_argument("--trial", choices=TRIALS, default=TRIALS[0],
-                    help="how an unfused concur step times its programs on its first calls (concur.training.trial)")
+    ap.add_argument("--trial", nargs="+", choices=TRIALS, default=list(TRIALS[:1]),
+                    help="how an unfused concur step times its programs on its first calls (concur.training.trial); "
+                         "a second value adds a run of the defaults timed that way (concur_one_at_a_time)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -67,6 +67,17 @@ def test_each_limited_run_gets_the_recipes_peak_reserved_times_the_limit(tmp_pat
         assert p["limit_bytes"] == pytest.approx(1.05 * 1000 * MB) and p["limit"] == 1.05
 
 
+def test_a_second_trial_adds_a_run_of_the_defaults_timed_that_way(tmp_path, monkeypatch):
+    launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    memory.run(_args(tmp_path, without_streams1=True, trial=["side-by-side", "one-at-a-time"]))
+    sides = [(p["side"], p["trial"]) for p in launcher.payloads[1:]]
+    assert sides == [("recipe", "side-by-side"), ("concur", "side-by-side"), ("concur_one_at_a_time", "one-at-a-time")]
+    launcher.payloads.clear()
+    memory.run(_args(tmp_path, without_streams1=True, trial=["one-at-a-time"]))
+    assert [(p["side"], p["trial"]) for p in launcher.payloads[2:]] == [("concur", "one-at-a-time")]
+
+
 def test_without_streams1_runs_the_recipe_and_the_defaults_only(tmp_path, monkeypatch):
     launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
     monkeypatch.setattr(memory, "_launch", launcher)
