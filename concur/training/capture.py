@@ -40,6 +40,7 @@ from concur.errors import failure_text
 from concur.fx.decision import PendingChoice
 from concur.fx.plan import cuda_device
 from concur.training import captured_optim
+from concur.training import trial as trial_policy
 from concur.training.gradients import StepGradients, optimized_parameters
 from concur.training.graph_runner import Captured
 from concur.training.out_of_memory import is_out_of_memory, shortfall
@@ -47,7 +48,6 @@ from concur.training.rungs import Rung, describe, stream_rungs
 from concur.training.snapshot import Snapshot
 from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
-from concur.training import trial as trial_policy
 from concur.training.trial import OneAtATime, StepTrial
 
 __all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
@@ -270,8 +270,8 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
     choice = trial_choice(step, streams)
     failure, memory = None, False
     if choice is not None and not trial_policy.SIDE_BY_SIDE:
-        return _capture_predicted_alone(step, inputs, targets, key, streams, phase, "to hold one program's memory at a time",
-                                        failure=None)
+        return _capture_predicted_alone(step, inputs, targets, key, streams, phase,
+                                        "to hold one program's memory at a time", failure=None)
     if choice is not None:
         try:
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)

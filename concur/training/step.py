@@ -310,7 +310,7 @@ class TrainStep:
     # --- graphs --------------------------------------------------------------------------------
 
     def _check_tree(self) -> None:
-        """If the module tree changed (a submodule replaced), rebuild the plans: an old one would call the old module."""
+        """If the module tree changed (a submodule replaced), rebuild the plans: an old one calls the old module."""
         if self._fingerprint.tree_changed():
             self.modules.clear()
             self.backends.clear()
