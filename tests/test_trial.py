@@ -345,6 +345,20 @@ def test_with_side_by_side_off_the_first_calls_time_the_programs_one_at_a_time(m
     assert runner.replayed == [2] * trial_mod.PHASE + [1] * trial_mod.PHASE, "the predicted program first"
     assert runner.captures == (3 if kept == 2 else 2) and runner.released[0]
     assert step.module.plan.schedule.num_streams == kept and step.status.failures == 0
+    again = TrialGraphs(one_ms=1.0, streams_ms=streams_ms)
+    step = trial_run(monkeypatch, again, n=3)
+    assert again.captures == 1 and not again.replayed, "cached: one candidate, nothing narrowed"
+    assert step.module.plan.schedule.num_streams == kept
+
+
+def test_with_side_by_side_off_a_choice_narrowed_from_several_candidates_is_not_cached(monkeypatch):
+    monkeypatch.setattr(trial_mod, "SIDE_BY_SIDE", False)
+    runner = TrialGraphs(one_ms=1.0, streams_ms={2: 0.8, 3: 0.7, 4: 0.75})
+    trial_run(monkeypatch, runner, streams="auto", model_fn=four_towers)
+    assert len(set(runner.replayed)) == 2, "one stream and the predicted candidate, one at a time"
+    again = TrialGraphs(one_ms=1.0, streams_ms={2: 0.8, 3: 0.7, 4: 0.75})
+    trial_run(monkeypatch, again, streams="auto", model_fn=four_towers)
+    assert again.replayed, "not cached: the cache holds decisions between every candidate"
 
 
 @pytest.mark.parametrize("streams_ms", [1.2, 0.8])

@@ -113,13 +113,17 @@ class PendingChoice:
     key: str | None  # where the decision is cached once timed; None: not cached
     default: int
 
-    def predicted_alone(self, why: str) -> "PendingChoice":
-        """The choice between one stream and the predicted candidate alone, not cached: where the programs
-        are timed one at a time (:class:`concur.training.trial.OneAtATime`; ``why``, said in the decision's
-        line). The cache holds decisions between every candidate, timed side by side."""
+    def predicted_alone(self, why: str, cached: bool) -> "PendingChoice":
+        """The choice between one stream and the predicted candidate alone: where the programs are timed one
+        at a time (:class:`concur.training.trial.OneAtATime`; ``why``, said in the decision's line).
+
+        Cached under :attr:`key` only where ``cached`` and the predicted
+        candidate is the only one: the cache holds a decision between every
+        candidate, and a choice narrowed from several is not that decision.
+        """
         return replace(self, what=f"{self.what} (timed one at a time, {why})",
                        predictions=[self.predictions[self.default]], plans=[self.plans[self.default]],
-                       timed=[0], key=None, default=0)
+                       timed=[0], key=self.key if cached and len(self.plans) == 1 else None, default=0)
 
     @property
     def programs(self) -> list[Plan]:

@@ -198,12 +198,12 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         self._plan_attrs.add(plan.runtime_attr)
         self._plans[self._mode_key()] = plan
 
-    def time_predicted_alone(self, why: str) -> None:
+    def time_predicted_alone(self, why: str, cached: bool) -> None:
         """Narrow the current mode's pending choice to one stream against the predicted plan
-        (:meth:`PendingChoice.predicted_alone`, ``why``), and run the predicted plan: the caller times it,
-        then the one-stream plan, one at a time."""
+        (:meth:`PendingChoice.predicted_alone`, ``why``, ``cached``), and run the predicted plan: the caller
+        times it, then the one-stream plan, one at a time."""
         key = self._mode_key()
-        self._pending[key] = choice = self._pending[key].predicted_alone(why)
+        self._pending[key] = choice = self._pending[key].predicted_alone(why, cached)
         self.run_plan(choice.plans[0])
 
     def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> decide.Decision:

@@ -271,7 +271,7 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
     failure, memory = None, False
     if choice is not None and not trial_policy.SIDE_BY_SIDE:
         return _capture_predicted_alone(step, inputs, targets, key, streams, phase,
-                                        "to hold one program's memory at a time", failure=None)
+                                        "to hold one program's memory at a time", failure=None, cached=True)
     if choice is not None:
         try:
             step._trial = capture_trial(step, inputs, targets, key, streams, phase, choice)
@@ -284,7 +284,7 @@ def capture_or_start_trial(step: CapturingStep, inputs: tuple, targets: Any, key
         step._runner.failed()
         if memory:
             return _capture_predicted_alone(step, inputs, targets, key, streams, phase,
-                                            "side by side they do not fit in memory", failure)
+                                            "side by side they do not fit in memory", failure, cached=False)
         step.step_decisions.append(step._module(streams).settle(None, failure))
     return capture(step, inputs, targets, streams, phase, warmup=_warmup_of(step, key))
 
@@ -295,13 +295,14 @@ def _warmup_of(step: CapturingStep, key: tuple) -> int | None:
 
 
 def _capture_predicted_alone(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
-                             phase: tuple[bool, bool], why: str, failure: str | None) -> Captured:
+                             phase: tuple[bool, bool], why: str, failure: str | None, cached: bool) -> Captured:
     """Capture the predicted program alone and start timing it, then the one-stream program, on the first calls
-    (:class:`concur.training.trial.OneAtATime`; ``why``: said in the decision's line). Where it cannot be
+    (:class:`concur.training.trial.OneAtATime`; ``why``: said in the decision's line; ``cached``: whether the
+    decision may be cached, not where memory ran short, which a later run need not share). Where it cannot be
     captured, the prediction decides, on ``failure`` (the capture of every program at once that ran out of
     memory) or on this capture's own failure, and the error goes to :func:`capture_with_fallback`."""
     module = step._module(streams)
-    module.time_predicted_alone(why)
+    module.time_predicted_alone(why, cached)
     try:
         captured = capture(step, inputs, targets, streams, phase, warmup=_warmup_of(step, key))
     except Exception as exc:
