@@ -7,6 +7,7 @@ on a GPU, whatever the number of parameters) and the elements of the tensors the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -111,6 +112,8 @@ def test_a_groups_watch_finds_them_unchanged_only_while_they_hold_the_same_immut
     assert not watch.unchanged() and watch.unchanged()
     opt.param_groups[0]["params"].append(torch.zeros(1, requires_grad=True))  # not watched: the graph key has it
     assert watch.unchanged()
+    opt.param_groups[1]["lr"] = np.float64(0.05)  # a float too (as a scheduler computing in numpy gives)
+    assert not watch.unchanged() and watch.unchanged()
     opt.param_groups[1]["lr"] = torch.tensor(0.1)
     assert not watch.unchanged() and not watch.unchanged(), "a tensor may change in place: never unchanged"
 

@@ -87,12 +87,13 @@ def structure(optimizer: torch.optim.Optimizer) -> tuple:
     return tuple(out)
 
 
-# Values a param group holds that stay what they are while the group holds the same object
-_IMMUTABLE = (float, int, bool, str, type(None))
+# Values a param group holds that stay what they are while the group holds the same object (a float's value is
+# fixed, a numpy float64's too: it is a float)
+_IMMUTABLE = (float, int, str, type(None))
 
 
 def _immutable(value: object) -> bool:
-    return type(value) in _IMMUTABLE or (type(value) is tuple and all(type(v) in _IMMUTABLE for v in value))
+    return isinstance(value, _IMMUTABLE) or (type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value))
 
 
 class GroupsWatch:
