@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -66,3 +67,24 @@ def test_a_steps_graphs_are_keyed_on_the_states_number_not_on_the_state(graphs):
         step(x, y)
     (key,) = step.graphs
     assert isinstance(key[2], int) and len(repr(key)) < 300
+
+
+@pytest.fixture
+def overwrite_params_on_conversion():
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_overwrite_module_params_on_conversion(before)
+
+
+def test_parameters_replaced_by_a_conversion_change_the_tree(overwrite_params_on_conversion):
+    """torch.__future__'s overwrite_module_params_on_conversion: .double() puts new Parameters into the modules'
+    dicts, with no registration hook to say so."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fp = fingerprint(model)
+    assert not fp.tree_changed()
+    old = model[0].weight
+    model.double()
+    assert model[0].weight is not old
+    assert fp.tree_changed() and fp.tree[1][0] is model[0].weight
+    assert not fp.tree_changed()

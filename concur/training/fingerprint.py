@@ -126,8 +126,15 @@ class ModelFingerprint:
         return tuple(self.model.modules()), tuple(self.model.parameters()), tuple(self.model.buffers())
 
     def tree_changed(self) -> bool:
-        """After a registration anywhere, walk the model again; True if its tree changed (plans must be rebuilt)."""
-        if self._registrations == REGISTRATIONS.count:
+        """After a registration anywhere, walk the model again; True if its tree changed (plans must be rebuilt).
+
+        With ``torch.__future__.set_overwrite_module_params_on_conversion(True)``,
+        ``.to()``, ``.half()`` and the like put new ``Parameter`` objects into
+        the modules' dicts without a registration hook: the tree is then walked
+        on every call, or a replay would train the parameters it was captured with.
+        """
+        if self._registrations == REGISTRATIONS.count and \
+                not torch.__future__.get_overwrite_module_params_on_conversion():
             return False
         self._registrations = REGISTRATIONS.count
         tree = self._walk()
