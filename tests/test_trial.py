@@ -383,6 +383,7 @@ def test_where_the_one_stream_program_alone_cannot_be_captured_the_prediction_de
     step = trial_run(monkeypatch, runner)
     (decision,) = step.step_decisions
     assert decision.keep and decision.source == "prediction" and not step.deciding
+    assert "capturing the programs to time them failed" in decision.reason, decision.reason
     assert runner.replayed == [2] * trial_mod.PHASE, "the predicted program's calls, then no more timing"
     assert step.status.streams == 2 and step.status.failures == 2
 

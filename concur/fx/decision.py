@@ -137,12 +137,12 @@ class PendingChoice:
     def settle(self, rounds: Sequence[tuple[float, ...]] | None, why: str = "") -> tuple[decide.Decision, Plan]:
         """Return the decision the timed ``rounds`` give (cached under :attr:`key`), and the plan it runs.
 
-        Without rounds (the caller could not capture every plan to time them;
-        ``why``: the exception) the prediction decides, not cached: a later
-        run times again.
+        Without rounds (the caller could not capture the programs to time
+        them; ``why``: the exception) the prediction decides, not cached: a
+        later run times again.
         """
         def untimed() -> list:
-            raise RuntimeError(f"capturing every program at once failed ({why})")
+            raise RuntimeError(f"capturing the programs to time them failed ({why})")
 
         timed = rounds is not None
         decision = decide.choose(f"{self.what}, {'timed ' if timed else ''}on the step's first calls",
