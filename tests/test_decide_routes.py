@@ -51,13 +51,13 @@ class FakeReplays:
 
 def fx_timing(monkeypatch, rounds) -> FakeReplays:
     """optimize times on CPU: its real timer and state keeping, fake replays."""
-    import concur.fx.decision as decision
+    import concur.fx.plan_timing as plan_timing
     import concur.fx.module as module
 
     fake = FakeReplays(rounds)
     monkeypatch.setattr(module, "can_time", lambda device: True)
     monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cpu"))
-    monkeypatch.setattr(decision, "replay_rounds", fake)
+    monkeypatch.setattr(plan_timing, "replay_rounds", fake)
     return fake
 
 
@@ -126,12 +126,12 @@ def test_fx_measure_false_leaves_it_to_the_prediction(monkeypatch):
 
 
 def test_fx_the_environment_switch_turns_timing_off(monkeypatch):
-    import concur.fx.decision as decision
+    import concur.fx.plan_timing as plan_timing
     import concur.fx.module as module
 
     fake = FakeReplays(SLOWER)
     monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cuda"))
-    monkeypatch.setattr(decision, "replay_rounds", fake)
+    monkeypatch.setattr(plan_timing, "replay_rounds", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("CONCUR_MEASURE", "0")
@@ -257,13 +257,13 @@ def test_backend_streams_must_be_a_count_or_auto():
 
 
 def test_fx_auto_times_the_plans_of_one_trace_and_keeps_the_fastest(monkeypatch):
-    import concur.fx.decision as decision
+    import concur.fx.plan_timing as plan_timing
     import concur.fx.module as module
 
     fake = FakeCandidateReplays(lambda j, n: 0.5 if j == n - 1 else 0.9)  # the most streams measure fastest
     monkeypatch.setattr(module, "can_time", lambda device: True)
     monkeypatch.setattr(module, "cuda_device", lambda model, inputs: torch.device("cpu"))
-    monkeypatch.setattr(decision, "replay_rounds", fake)
+    monkeypatch.setattr(plan_timing, "replay_rounds", fake)
     traces: list = []
     real = module.analyse
     monkeypatch.setattr(module, "analyse", lambda *a, **k: traces.append(1) or real(*a, **k))
@@ -272,5 +272,5 @@ def test_fx_auto_times_the_plans_of_one_trace_and_keeps_the_fastest(monkeypatch)
     assert len(traces) == 1 and fake.widths and fake.widths[0] >= 2, (traces, fake.widths)
     assert plan.schedule.num_streams >= 3, plan.schedule.num_streams
     same = FakeCandidateReplays(lambda j, n: 0.5)  # all as fast: the fewest streams
-    monkeypatch.setattr(decision, "replay_rounds", same)
+    monkeypatch.setattr(plan_timing, "replay_rounds", same)
     assert concur.optimize(branchy(), (X[:1],), streams="auto", cost_model=H100).plan.schedule.num_streams == 2

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import concur
-import concur.fx.decision as fx_decision
+import concur.fx.plan_timing as fx_plan_timing
 import concur.training.capture as capture_mod
 import concur.training.step as train_mod
 from concur.training import rungs, trial as trial_mod
@@ -32,7 +32,7 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CONCUR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CONCUR_MEASURE", raising=False)
     # the step times its programs itself: nothing may time them before it
-    monkeypatch.setattr(fx_decision, "replay_rounds", lambda *a, **k: pytest.fail("timed before the step"))
+    monkeypatch.setattr(fx_plan_timing, "replay_rounds", lambda *a, **k: pytest.fail("timed before the step"))
     return tmp_path
 
 
@@ -188,7 +188,7 @@ def test_the_call_that_issues_enough_rounds_waits_for_them_and_decides(monkeypat
 
 
 def test_accumulation_times_before_the_step_not_during_it(monkeypatch):
-    monkeypatch.setattr(fx_decision, "replay_rounds", lambda programs, device: [(1.0, 0.8)] * 3)
+    monkeypatch.setattr(fx_plan_timing, "replay_rounds", lambda programs, device: [(1.0, 0.8)] * 3)
     import concur.fx.module as fx_module
     monkeypatch.setattr(fx_module, "can_time", lambda device: True)
     monkeypatch.setattr(fx_module, "cuda_device", lambda model, inputs: torch.device("cpu"))

@@ -22,7 +22,7 @@ from concur.dag.measure import can_time
 from concur.dag.memory_budget import plan_budget
 from concur.errors import CaptureError, ConcurError, ExampleInputError, debug
 from concur.fx.trace import AUTO_LEAVES_META, LeafSpec
-from concur.fx.decision import PendingChoice, decision_key, plan_timer
+from concur.fx.plan_timing import PendingChoice, decision_key, plan_timer
 from concur.fx.plan import Plan, analyse, cuda_device, device_name, generate_plan, split_prologue
 
 __all__ = ["ConcurModule", "optimize", "Inspection", "inspect"]
@@ -119,7 +119,7 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
         With ``streams="auto"`` the candidates are the schedules on 2, 3 and
         4 streams (those that coincide count once). On CUDA they are timed
         against the one-stream plan, all generated from the one trace,
-        forward and backward, in CUDA graphs (:mod:`concur.fx.decision`);
+        forward and backward, in CUDA graphs (:mod:`concur.fx.plan_timing`);
         elsewhere the prediction decides.
         """
         o = self._options

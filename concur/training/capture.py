@@ -37,7 +37,7 @@ from schedulers import Schedule
 
 from concur import _torch_compat as compat
 from concur.errors import failure_text
-from concur.fx.decision import PendingChoice
+from concur.fx.plan_timing import PendingChoice
 from concur.fx.plan import cuda_device
 from concur.training import captured_optim
 from concur.training import trial as trial_policy

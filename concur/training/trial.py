@@ -1,6 +1,6 @@
 """An unfused captured step decides its streams on the user's own first steps.
 
-Timing a plan before the step (:mod:`concur.fx.decision`) captures each
+Timing a plan before the step (:mod:`concur.fx.plan_timing`) captures each
 program's forward and backward in a graph of its own, warms each up and
 replays each a few dozen times: about half again a setup's time, where the
 measured decisions may add at most 10%. Here each program is captured once, as the whole
