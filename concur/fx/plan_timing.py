@@ -29,6 +29,8 @@ from concur.dag.disk_cache import JsonCache
 from concur.dag.measure import environment, replay_rounds
 from concur.fx.plan import Plan
 
+__all__ = ["plan_timer", "decision_key", "PendingChoice"]
+
 
 def run_plan(module: nn.Module, plan: Plan, inputs: tuple) -> None:
     """Run ``plan``'s forward on ``inputs`` and, where its outputs need gradients, a backward of ones."""

@@ -46,6 +46,10 @@ import torch
 
 from concur import _torch_compat as compat
 
+__all__ = ["SUPPORTED", "unsupported_reason", "structure", "GroupsWatch", "DeviceHyperparameters", "build_update",
+           "scale_dtype"]
+
+
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 # eps and a float beta2 stay floats in the captured code (no torch scheduler moves them; a new value is a new
 # capture): torch's _foreach_addcmul_ takes its factor as a host number only, so a device beta2 would cost the

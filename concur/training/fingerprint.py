@@ -32,6 +32,8 @@ import torch.nn as nn
 
 from concur.training import captured_optim
 
+__all__ = ["ModelFingerprint", "hyperparameter_key", "REGISTRATIONS", "STATES_KEPT"]
+
 
 class _Registrations:
     """A count of module, parameter and buffer registrations, kept while any :class:`ModelFingerprint` lives."""

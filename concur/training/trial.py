@@ -43,6 +43,9 @@ from typing import Any, Protocol
 
 from concur.dag import decide, measure
 
+__all__ = ["StepTrial", "OneAtATime", "SIDE_BY_SIDE", "PHASE", "REPLAYS", "ROUNDS", "several_ranks"]
+
+
 REPLAYS = 2             # replays of one program in a row, per round
 ROUNDS = measure.ROUNDS  # counted rounds at most; fewer where decide.settled says more would not change it
 
