@@ -33,7 +33,6 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
-from schedulers import Schedule
 
 from concur import _torch_compat as compat
 from concur.errors import failure_text
@@ -161,20 +160,12 @@ def _no_narrower(rung: Rung, widest: int | None) -> bool:
     return rung != 1 and widest is not None and isinstance(rung, int) and rung >= widest
 
 
-def _schedule_of(step: CapturingStep, rung: Rung) -> Schedule | None:
-    """The schedule the unfused module of ``rung`` runs; None where there is none."""
-    try:
-        return step.modules[rung].schedule
-    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
-        return None
-
-
 def _program_width(step: CapturingStep, streams: Rung) -> int | None:
     """How many streams the unfused module on ``streams`` ran (an ``"auto"`` module picks its own), where known."""
-    planned = _schedule_of(step, streams)
-    if planned is not None:
-        return planned.num_streams
-    return streams if isinstance(streams, int) else None
+    try:
+        return step.modules[streams].schedule.num_streams
+    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
+        return streams if isinstance(streams, int) else None
 
 
 def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,

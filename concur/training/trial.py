@@ -24,9 +24,9 @@ for its last replay, once per round. Without that wait the host runs ahead
 and the programs keep alternating until the device catches up: on the H100,
 unfused GoogLeNet b8 took 118 calls to decide what its first 16 had timed.
 
-Where every program at once does not fit in memory, :class:`OneAtATime`
-times the predicted program, then the one-stream program, each captured
-alone.
+Where every program at once does not fit in memory, or with
+:data:`SIDE_BY_SIDE` off, :class:`OneAtATime` times the predicted program,
+then the one-stream program, each captured alone.
 
 The programs share the step's memory pool, the one-stream program captured
 first, so that the others' caller-stream buffers reuse its blocks
@@ -125,8 +125,8 @@ SIDE_BY_SIDE = True
 
 @dataclass
 class OneAtATime:
-    """Where the programs do not fit in memory side by side: the predicted program, then the one-stream
-    program, each captured alone and replayed by :data:`PHASE` of the step's calls.
+    """Where the programs do not fit in memory side by side (or :data:`SIDE_BY_SIDE` is off): the predicted
+    program, then the one-stream program, each captured alone and replayed by :data:`PHASE` of the step's calls.
 
     A plan kept on its prediction alone can be slower than one stream where
     the device is short of memory (the docs' results have a case); so under
@@ -136,8 +136,9 @@ class OneAtATime:
     program in a new pool. Round ``i`` pairs the ``i``-th counted replay of
     each (one stream first, as :class:`StepTrial`'s rounds): not
     alternating, so a drift between the two halves counts too, but a clear
-    answer is what it is for. Not cached (the cache's decisions are between
-    every candidate timed side by side).
+    answer is what it is for. Cached only where :data:`SIDE_BY_SIDE` is off
+    and the predicted candidate is the only one
+    (:meth:`concur.fx.plan_timing.PendingChoice.predicted_alone`).
     """
 
     key: tuple
