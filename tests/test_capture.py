@@ -19,6 +19,7 @@ import torch
 
 import concur
 import concur.training.step as train_mod
+from concur.dag import measure
 from concur.training import graph_runner
 from tests.fake_cuda_graphs import fake_cuda
 from tests.test_step_habits import (SGD_M, EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model,
@@ -185,6 +186,26 @@ def test_the_cyclic_collector_is_held_off_during_a_capture(monkeypatch):
     with pytest.raises(ValueError):
         runner.capture(lambda: (_ for _ in ()).throw(ValueError("x")), step=None)
     assert gc.isenabled(), "a failed capture must turn the collector back on"
+
+
+def test_a_capture_collects_only_the_young_generations_before_it(monkeypatch):
+    """A full collection walks every object of the process (a third of a second once inductor has compiled),
+    and a setup captures a dozen graphs: only a failed attempt's cleanup pays for one."""
+    fake_cuda(monkeypatch)
+    collected = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or real_collect(0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(measure, "_FAILED_CAPTURES", [])  # none left over by an earlier test to clean up first
+    runner = graph_runner.CudaGraphRunner(priority=False)
+    runner.capture(lambda: None, step=None)
+    runner.capture(lambda: None, step=None)
+    assert collected and max(collected) < 2, f"a full collection before a capture: {collected}"
+    collected.clear()
+    with pytest.raises(RuntimeError):
+        runner.capture(lambda: (_ for _ in ()).throw(RuntimeError("out of memory")), step=None)
+    runner.failed()
+    assert 2 in collected, "a failed attempt's cycles (its traceback's frames) are collected in full"
 
 
 def test_status_before_the_first_call_and_without_graphs(monkeypatch):

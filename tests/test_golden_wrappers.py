@@ -83,7 +83,7 @@ def load(path: Path) -> Golden:
 @pytest.fixture(autouse=True, scope="module")
 def parsed_wrappers_freed_after_this_module():
     """The parsed wrappers are millions of objects: kept for the rest of the session, every later
-    ``gc.collect()`` (each capture runs one) would walk them, about 2 s each on 2 cores."""
+    full ``gc.collect()`` (a failed capture's cleanup runs one) would walk them, about 2 s each on 2 cores."""
     yield
     load.cache_clear()
 

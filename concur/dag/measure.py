@@ -218,15 +218,22 @@ def _replays_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 _FAILED_CAPTURES: list[tuple[int, Any]] = []
 
 
+COLLECTED_BEFORE_CAPTURE = 1  # gc generations 0 and 1: objects made since the last full collection, walked in ms
+
+
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
     """Capture the block into ``graph`` (in ``pool``, on ``stream``), as every capture of concur's does.
 
-    The cyclic garbage collector is held off during the capture and run just
-    before: it frees objects at moments of its own choosing, and freeing a
-    CUDA graph (one in a reference cycle) while a stream captures is an
-    illegal call that invalidates the capture ("operation not permitted when
-    stream is capturing"). Where a capture fails, the device's generator is
+    The cyclic garbage collector is held off during the capture: it frees
+    objects at moments of its own choosing, and freeing a CUDA graph (one in
+    a reference cycle) while a stream captures is an illegal call that
+    invalidates the capture ("operation not permitted when stream is
+    capturing"). Just before, only its young generations are collected
+    (:data:`COLLECTED_BEFORE_CAPTURE`): a full collection walks every object
+    of the process, a third of a second and more once inductor has compiled,
+    on each of a setup's dozen captures; a failed attempt's cycles are
+    collected in full where it is given back. Where a capture fails, the device's generator is
     taken out of capture mode at once (random ops run eagerly right after,
     in a warm-up), and the pool is cleaned up after once the failed graph is
     gone (:func:`settle_failed_captures`): before the next capture, or where
@@ -234,7 +241,7 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     later graphs into another pool.
     """
     settle_failed_captures()
-    gc.collect()
+    gc.collect(COLLECTED_BEFORE_CAPTURE)
     # Blocks cached outside the pool (the warm-up's activations, on every stream it ran) count against the
     # process's memory as long as they are cached, and a capture cannot give them back once it runs out: the
     # allocator's cudaFree would invalidate it. Given back now, the capture has their room.
