@@ -66,12 +66,12 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                  cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False,
-                 measure: bool | str = True, memory_model: str = "forward"):
+                 measure: bool | str = True, memory_model: str = "forward", lean_pools: bool = False):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
                                  else tuple(leaf_modules), split_weight_grads=split_weight_grads,
-                                 measure=measure, memory_model=memory_model))
+                                 measure=measure, memory_model=memory_model, lean_pools=lean_pools))
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
@@ -132,8 +132,10 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
                                               training_memory=o.get("memory_model") == "training")
         candidates = [s for s in schedules if s.num_streams > 1]
         if not candidates:
-            return generate_plan(self.original, traced, dag, prologue, schedules[0], o["split_weight_grads"])
-        plans = [generate_plan(self.original, traced, dag, prologue, s, o["split_weight_grads"]) for s in candidates]
+            return generate_plan(self.original, traced, dag, prologue, schedules[0], o["split_weight_grads"],
+                                 o.get("lean_pools", False))
+        plans = [generate_plan(self.original, traced, dag, prologue, s, o["split_weight_grads"],
+                               o.get("lean_pools", False)) for s in candidates]
         predictions = [decide.predict(scheduled, s) for s in candidates]
         made: list[Plan] = []
 
@@ -284,7 +286,7 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
              leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
-             measure: bool | str = True, memory_model: str = "forward") -> nn.Module:
+             measure: bool | str = True, memory_model: str = "forward", lean_pools: bool = False) -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -333,6 +335,14 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     stream cannot reuse, so side streams get only the branches whose saved
     activations fit: a plan for a training loop short of memory
     (:func:`concur.train_step` keeps the default).
+
+    ``lean_pools=True`` has the max-pooling layers of a plan of more than
+    one stream save no indices (int64, the size of their output) for
+    backward, which recomputes them from the saved input
+    (:mod:`concur.fx.pool_indices`): the same outputs and gradients, bit for
+    bit, for one more pooling kernel in backward; a plan's
+    ``pool_recomputes`` counts them. :func:`concur.train_step` plans its
+    fallback on fewer streams so where the streams asked for do not fit.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -345,7 +355,7 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
     try:
         return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads,
-                            measure, memory_model)
+                            measure, memory_model, lean_pools)
     except CaptureError as exc:
         if fallback == "eager":
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",

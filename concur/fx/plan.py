@@ -23,6 +23,7 @@ from concur.errors import TRACEBACK_HINT, CaptureError, ConcurError, ExampleInpu
 from concur.fx.trace import LeafSpec, trace
 from concur.fx.codegen import event_count, generate
 from concur.fx.verify import verify_generated
+from concur.fx.pool_indices import recompute_pool_indices
 from concur.fx.weight_grads import split_weight_gradients
 from concur.streams import StreamRuntime
 
@@ -40,6 +41,7 @@ class Plan:
     runtime_attr: str
     traced: fx.GraphModule
     weight_grad_splits: int = 0  # layers whose weight gradient runs on the weight-gradient stream
+    pool_recomputes: int = 0  # max-pooling calls that save no indices, recomputed in backward
 
     @property
     def forward(self) -> Callable:
@@ -197,8 +199,14 @@ def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str, device: torch.de
 
 
 def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGraph, prologue: frozenset[str],
-                  schedule: Schedule, split_weight_grads: bool = False) -> Plan:
+                  schedule: Schedule, split_weight_grads: bool = False, lean_pools: bool = False) -> Plan:
     """Return the verified plan running ``traced`` (analysed as ``dag``) in ``schedule``.
+
+    A plan of more than one stream splits its weight gradients with
+    ``split_weight_grads`` (:mod:`concur.fx.weight_grads`) and, with
+    ``lean_pools``, recomputes its max-pooling indices in backward instead of
+    saving them (:mod:`concur.fx.pool_indices`); a one-stream plan stays the
+    model's own program.
 
     ``traced`` is not changed, so one trace gives several plans (the
     multi-stream one, and one stream to fall back to or to time against).
@@ -212,6 +220,7 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
     graph = generate(traced.graph, schedule, runtime_attr, prologue)
     splits = split_weight_gradients(graph, model, runtime_attr) \
         if split_weight_grads and schedule.num_streams > 1 else 0
+    pools = recompute_pool_indices(graph, model) if lean_pools and schedule.num_streams > 1 else 0
     problems += verify_generated(graph, dag, schedule.num_streams)
     if problems:
         raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
@@ -220,7 +229,7 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
     runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0)
     setattr(traced, runtime_attr, runtime)
     generated = fx.GraphModule(traced, graph, f"Concur{type(model).__name__}")
-    return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits)
+    return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits, pools)
 
 
 def build_plan(model: torch.nn.Module, example_inputs: tuple, streams: int, scheduler: str,

@@ -15,8 +15,9 @@ a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
 programs down, to 2 streams, then with aten's calls on the caller's stream,
 then to one (the step's peak is at the start of backward); an unfused step
-on more than 2 streams tries 2, then its streams planned for training's
-memory (:mod:`concur.training.rungs`). Where that does not fit, it falls back to
+on more than 2 streams tries 2 (:mod:`concur.training.rungs`), its
+max-pooling layers saving no indices (:mod:`concur.fx.pool_indices`), whose
+bytes are alive at that peak. Where that does not fit, it falls back to
 one stream, for this and later input shapes, and then to eager execution;
 one warning says what was missing and what runs instead. What the failed
 attempt held (its module, graphs, pool and cached blocks) is given back
@@ -71,6 +72,7 @@ class CapturingStep(Protocol):
     eager_keys: set
     warmed_keys: set
     failed_streams: set
+    lean_pools: bool
     step_decisions: list
     capture_log: CaptureLog
     _trial: StepTrial | OneAtATime | None
@@ -124,8 +126,8 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
             if missed:
-                step._warn_once(f"concur.train_step: {'; '.join(missed)}; running it on {describe(streams)} "
-                                "instead, for this and later input shapes.")
+                step._warn_once(f"concur.train_step: {'; '.join(missed)}; running it on {describe(streams)}"
+                                f"{_lean_pools_said(step, streams)} instead, for this and later input shapes.")
             _keep(step, key, captured)
             return captured
         if streams == 1:
@@ -145,6 +147,8 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         missed.append(fallback)
         if not memory:
             widest = 2  # a failure memory does not explain: fewer side streams would not help, one stream may
+        elif not step.compile:
+            step.lean_pools = True  # the unfused plans on fewer streams save no max-pooling indices
     log.fallbacks.append(f"capturing the step on 1 stream failed ({why})")
     step._warn_once(f"concur.train_step: {''.join(m + '; ' for m in missed)}capturing the step on 1 stream failed "
                     f"({why}); this input shape runs eagerly, every kernel launched from Python (slower). Once the "
@@ -158,6 +162,16 @@ def _no_narrower(rung: Rung, widest: int | None) -> bool:
     """Whether ``rung`` would need no less than the program that just did not fit (``widest`` streams): a
     stream count no lower than it; one stream is always tried."""
     return rung != 1 and widest is not None and isinstance(rung, int) and rung >= widest
+
+
+def _lean_pools_said(step: CapturingStep, streams: Rung) -> str:
+    """", its N max-pooling layers saving no indices" where the unfused module on ``streams`` runs a plan that
+    recomputes them (:mod:`concur.fx.pool_indices`), else ""."""
+    try:
+        pools = step.modules[streams].plan.pool_recomputes
+    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
+        return ""
+    return f", its {pools} max-pooling layer{'s' if pools != 1 else ''} saving no indices" if pools else ""
 
 
 def _program_width(step: CapturingStep, streams: Rung) -> int | None:

@@ -108,6 +108,8 @@ class TrainStep:
         self.modules: dict[int, nn.Module] = {}
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
         self.failed_streams: set[Rung] = set()  # rungs whose capture failed: not tried again
+        # after a multi-stream capture ran out of memory, the unfused plans built next save no max-pooling indices
+        self.lean_pools = False
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
         self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
@@ -207,6 +209,7 @@ class TrainStep:
         dropped after a failure): once the cause is gone, e.g. memory freed or a smaller batch."""
         self.eager_keys.clear()
         self.failed_streams.clear()
+        self.lean_pools = False
 
     def _program_streams(self, captured: Captured) -> int:
         """The streams the program of ``captured`` runs on: its plans' (unfused: the plan it runs; fused: the
@@ -251,7 +254,8 @@ class TrainStep:
                     self.modules[streams] = api.optimize(self.model, self._example, streams=streams,
                                                          scheduler=self.scheduler,
                                                          split_weight_grads=self.split_weight_grads,
-                                                         measure=api.DEFERRED if self._can_trial() else True)
+                                                         measure=api.DEFERRED if self._can_trial() else True,
+                                                         lean_pools=self.lean_pools)
         return self.modules[streams]
 
     def _can_trial(self) -> bool:

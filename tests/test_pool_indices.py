@@ -1,0 +1,157 @@
+"""Max pooling that saves no indices (concur.fx.pool_indices): the same results bit for bit, fewer bytes saved,
+and the unfused step's fallback after running out of memory planned with it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import concur
+import concur.training.step as train_mod
+from concur.fx import pool_indices
+from tests.test_capture import OOM, FailingGraphs
+from tests.test_step_habits import SGD_M, assert_same_run, loss_fn, make_batches, plain_loop
+
+POOLINGS = [  # kernel, stride, padding, dilation, ceil_mode: GoogLeNet's branch pool, its stem's, others
+    (3, 1, 1, 1, True), (3, 2, 0, 1, True), (2, None, 0, 1, False), ((3, 2), (2, 1), (1, 0), 2, False)]
+
+
+def _saved(run) -> list[torch.Tensor]:
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        run()
+    return packed
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("dtype, channels_last, batched", [
+    (torch.float64, False, True), (torch.float32, True, True), (torch.bfloat16, True, True),
+    (torch.float32, False, False)])
+def test_the_same_output_and_gradient_as_the_plain_layer_bit_for_bit(pooling, dtype, channels_last, batched):
+    kernel, stride, padding, dilation, ceil_mode = pooling
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 3, 9, 8) if batched else (3, 9, 8)
+    x = torch.randn(shape, generator=g).round(decimals=1).to(dtype)  # rounded: ties, where the first max wins
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    grad = torch.randn(F.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode).shape, generator=g).to(dtype)
+    outs, grads = [], []
+    for pool in (F.max_pool2d, pool_indices.max_pool2d):
+        leaf = x.detach().clone().requires_grad_()
+        out = pool(leaf, kernel, stride, padding, dilation, ceil_mode)
+        out.backward(grad)
+        outs.append(out)
+        grads.append(leaf.grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert outs[0].stride() == outs[1].stride() and grads[0].stride() == grads[1].stride()
+
+
+def test_it_saves_the_input_alone_where_the_plain_layer_saves_int64_indices_too():
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    plain = _saved(lambda: F.max_pool2d(x, 3, 1, 1))
+    lean = _saved(lambda: pool_indices._RecomputedIndices.apply(x, (3, 3), (1, 1), (1, 1), (1, 1), False))
+    assert [t.dtype for t in plain] == [torch.float32, torch.int64] and plain[1].shape == (2, 4, 8, 8)
+    assert len(lean) == 1 and lean[0] is x, "the input only, which the plain layer saves as well"
+
+
+def test_where_in_doubt_it_is_the_plain_layer():
+    """Saved-tensor hooks (offloading, checkpointing) see what the plain layer saves; no grad, nothing saved."""
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    assert len(_saved(lambda: pool_indices.max_pool2d(x, 3, 1, 1))) == 2
+    with torch.no_grad():
+        assert torch.equal(pool_indices.max_pool2d(x, 3, 1, 1), F.max_pool2d(x, 3, 1, 1))
+    hooked = nn.MaxPool2d(3, 1, 1)
+    calls = []
+    hooked.register_forward_hook(lambda m, i, o: calls.append(m))
+    pool_indices.pool_forward(hooked, x)
+    assert calls == [hooked], "a module given hooks after planning is called as it is"
+
+
+class Pools(nn.Module):
+    """Four branches on a shared stem (an Inception block), one through a max-pooling layer as GoogLeNet's, one
+    through F.max_pool2d."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 2 * 16)
+        self.pool = nn.MaxPool2d(3, stride=1, padding=1, ceil_mode=True)
+        self.a = nn.Conv2d(2, 2, 1)
+        self.b = nn.Conv2d(2, 2, 3, padding=1)
+        self.c = nn.Conv2d(2, 2, 1)
+        self.d = nn.Conv2d(2, 2, 3, padding=1)
+        self.head = nn.Linear(3 * 2 * 4 * 4 + 2 * 2 * 2, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x)).view(-1, 2, 4, 4)
+        a = self.a(self.pool(h))
+        b = F.max_pool2d(self.b(h), 2, stride=2, ceil_mode=False)
+        return self.head(torch.cat([a.flatten(1), b.flatten(1), self.c(h).flatten(1), self.d(h).flatten(1)], 1))
+
+
+def _make_pools(seed=0):
+    torch.manual_seed(seed)
+    return Pools().double()
+
+
+def _pool_backward_nodes(out: torch.Tensor) -> int:
+    seen, todo, found = set(), [out.grad_fn], 0
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        found += type(fn).__name__.startswith("MaxPool2DWithIndicesBackward")
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_plan_with_lean_pools_computes_the_models_step_and_saves_no_indices(lean):
+    model = _make_pools()
+    x = make_batches(1)[0][0]
+    module = concur.optimize(model, (x,), streams=2, measure=False, lean_pools=lean)
+    assert module.plan.schedule.num_streams == 2 and module.plan.pool_recomputes == (2 if lean else 0)
+    out, ref = module(x), model(x)
+    assert _pool_backward_nodes(out) == (0 if lean else 2) and _pool_backward_nodes(ref) == 2
+    assert torch.equal(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    expected = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+def test_a_one_stream_plan_stays_the_models_own_program():
+    model = _make_pools()
+    module = concur.optimize(model, (make_batches(1)[0][0],), streams=1, measure=False, lean_pools=True)
+    assert module.plan.pool_recomputes == 0
+
+
+def _step_run(monkeypatch, runner, batches, streams):
+    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    model, ref = _make_pools(), _make_pools()
+    opt, ref_opt = SGD_M(model), SGD_M(ref)
+    step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [step(x, y).item() for x, y in batches]
+    assert_same_run(losses, plain_loop(ref, ref_opt, batches), model, ref)
+    return step, [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+
+
+def test_the_unfused_fallback_after_running_out_of_memory_saves_no_pooling_indices(monkeypatch):
+    """4 streams do not fit: the 2-stream plan the step falls back to recomputes its pools' indices in backward
+    (their bytes are alive at the step's peak, where the side streams' blocks are held apart); the same run as
+    the plain loop, and the warning says so. Where 4 streams fit, the plan is the plain one."""
+    step, said = _step_run(monkeypatch, FailingGraphs([torch.OutOfMemoryError(OOM)]), make_batches(4), 4)
+    assert step.failed_streams == {4} and step.lean_pools and step.status.streams == 2
+    assert step.modules[2].plan.pool_recomputes == 2
+    (warning,) = said
+    assert "running it on 2 streams, its 2 max-pooling layers saving no indices instead" in warning
+
+    step, said = _step_run(monkeypatch, FailingGraphs([]), make_batches(4), 4)
+    assert not step.lean_pools and step.modules[4].plan.pool_recomputes == 0 and not said
+    step.recapture()
+    assert not step.lean_pools
