@@ -54,9 +54,9 @@ class FailingGraphs(EmulatedGraphs):
         self.pools += 1
 
 
-def run(monkeypatch, runner, batches, events=None, streams=2):
+def run(monkeypatch, runner, batches, events=None, streams=2, make=make_model):
     monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
-    model, ref = make_model(), make_model()
+    model, ref = make(), make()
     opt, ref_opt = SGD_M(model), SGD_M(ref)
     step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams)
     with warnings.catch_warnings(record=True) as caught:

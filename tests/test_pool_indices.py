@@ -3,18 +3,15 @@ and the unfused step's fallback after running out of memory planned with it."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import concur
-import concur.training.step as train_mod
 from concur.fx import pool_indices
-from tests.test_capture import OOM, FailingGraphs
-from tests.test_step_habits import SGD_M, assert_same_run, loss_fn, make_batches, plain_loop
+from tests.test_capture import OOM, FailingGraphs, run
+from tests.test_step_habits import make_batches
 
 POOLINGS = [  # kernel, stride, padding, dilation, ceil_mode: GoogLeNet's branch pool, its stem's, others
     (3, 1, 1, 1, True), (3, 2, 0, 1, True), (2, None, 0, 1, False), ((3, 2), (2, 1), (1, 0), 2, False)]
@@ -129,29 +126,18 @@ def test_a_one_stream_plan_stays_the_models_own_program():
     assert module.plan.pool_recomputes == 0
 
 
-def _step_run(monkeypatch, runner, batches, streams):
-    monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
-    model, ref = _make_pools(), _make_pools()
-    opt, ref_opt = SGD_M(model), SGD_M(ref)
-    step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses = [step(x, y).item() for x, y in batches]
-    assert_same_run(losses, plain_loop(ref, ref_opt, batches), model, ref)
-    return step, [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
-
-
 def test_the_unfused_fallback_after_running_out_of_memory_saves_no_pooling_indices(monkeypatch):
     """4 streams do not fit: the 2-stream plan the step falls back to recomputes its pools' indices in backward
     (their bytes are alive at the step's peak, where the side streams' blocks are held apart); the same run as
     the plain loop, and the warning says so. Where 4 streams fit, the plan is the plain one."""
-    step, said = _step_run(monkeypatch, FailingGraphs([torch.OutOfMemoryError(OOM)]), make_batches(4), 4)
+    oom = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said = run(monkeypatch, oom, make_batches(4), streams=4, make=_make_pools)
     assert step.failed_streams == {4} and step.lean_pools and step.status.streams == 2
     assert step.modules[2].plan.pool_recomputes == 2
     (warning,) = said
     assert "running it on 2 streams, its 2 max-pooling layers saving no indices instead" in warning
 
-    step, said = _step_run(monkeypatch, FailingGraphs([]), make_batches(4), 4)
+    step, said = run(monkeypatch, FailingGraphs([]), make_batches(4), streams=4, make=_make_pools)
     assert not step.lean_pools and step.modules[4].plan.pool_recomputes == 0 and not said
     step.recapture()
     assert not step.lean_pools
