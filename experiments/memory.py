@@ -4,6 +4,7 @@
     PYTHONPATH=. python -m experiments.memory --out DIR --networks googlenet --batches 64 --paths fused --streams auto
     PYTHONPATH=. python -m experiments.memory --out DIR --batches 64 --jobs 1 --without-streams1   (speeds, alone)
     PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial side-by-side one-at-a-time
+    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --without-streams1 --lean-pools
 
 For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
 (experiments/peers.py: ``compile_graph_step`` on the fused path,
@@ -14,7 +15,11 @@ limit), concur's defaults (``train_step(..., amp_dtype=torch.bfloat16,
 compile=path == "fused")``, 4 streams) and concur with ``streams=1``;
 ``--streams auto`` adds rows with ``streams="auto"``; ``--trial side-by-side
 one-at-a-time`` adds the defaults with an unfused step's first calls timing
-its programs one at a time (``concur_one_at_a_time``). A run's outcome is
+its programs one at a time (``concur_one_at_a_time``); ``--lean-pools`` adds
+the unfused defaults with every multi-stream plan saving no max-pooling
+indices from the start (``concur_lean_pools``,
+``concur.training.rungs.LEAN_POOLS_FIRST``; by default only the plans after
+a capture that ran out of memory do). A run's outcome is
 ``fit`` (set up and trained its steps), ``fallback`` (it ran, but concur
 warned that it dropped streams or ran eagerly; the warnings are in the row)
 or ``error`` (the exception's type and first line, e.g. OutOfMemoryError;
@@ -114,23 +119,26 @@ class Config:
 
 @dataclass(frozen=True)
 class Side:
-    """One run under the limit: who runs (``recipe`` or ``concur``), the ``streams`` passed (None: the default) and
-    how a concur step times its programs on its first calls (``trial``, one of :data:`TRIALS`)."""
+    """One run under the limit: who runs (``recipe`` or ``concur``), the ``streams`` passed (None: the default),
+    how a concur step times its programs on its first calls (``trial``, one of :data:`TRIALS`) and whether its
+    first plans save no max-pooling indices (``lean_pools``)."""
 
     name: str
     who: str
     streams: int | str | None = None
     trial: str = TRIALS[0]
+    lean_pools: bool = False
 
 
 RECIPE_ALONE = Side("recipe_alone", "recipe")
 
 
 def limited_sides(extra_streams: list[str], without_streams1: bool = False,
-                  trials: Iterable[str] = TRIALS[:1]) -> list[Side]:
+                  trials: Iterable[str] = TRIALS[:1], lean_pools: bool = False) -> list[Side]:
     """The runs under the limit: the recipe, concur's defaults, concur on one stream (unless ``without_streams1``:
     a run that times the defaults alone saves a compile), then each extra stream count, then concur's defaults
-    again for each trial after the first (``concur_one_at_a_time``): the first trial is every concur run's."""
+    again for each trial after the first (``concur_one_at_a_time``): the first trial is every concur run's; then,
+    with ``lean_pools``, the defaults with their first plans saving no max-pooling indices."""
     first, *others = dict.fromkeys(trials)
     sides = [Side("recipe", "recipe"), Side("concur", "concur", trial=first)]
     if not without_streams1:
@@ -139,6 +147,8 @@ def limited_sides(extra_streams: list[str], without_streams1: bool = False,
         if f"concur_streams{s}" not in {side.name for side in sides}:
             sides.append(Side(f"concur_streams{s}", "concur", s if s == "auto" else int(s), first))
     sides += [Side(f"concur_{trial.replace('-', '_')}", "concur", trial=trial) for trial in others]
+    if lean_pools:
+        sides.append(Side("concur_lean_pools", "concur", trial=first, lean_pools=True))
     return sides
 
 
@@ -230,11 +240,12 @@ def _record_failures(row: dict) -> None:
 
 
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
-                 streams: int | str | None, trial: str = TRIALS[0]) -> Any:
+                 streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False) -> Any:
     import concur  # here only: the recipe's processes must not load it
-    from concur.training import trial as trial_policy
+    from concur.training import rungs, trial as trial_policy
 
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
+    rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
@@ -307,7 +318,8 @@ def _train(payload: dict, row: dict) -> None:
         step = recipe(model, loss_fn, optimizer, batch, amp_dtype=torch.bfloat16)
     else:
         _record_failures(row)
-        step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"])
+        step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"],
+                            payload.get("lean_pools", False))
     step(*batch)
     calls = 1
     # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
@@ -349,6 +361,7 @@ def base_row(payload: dict) -> dict:
     return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
                 trial=payload["trial"] if payload["who"] == "concur" else None,
+                lean_pools=payload.get("lean_pools", False) if payload["who"] == "concur" else None,
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
@@ -432,7 +445,7 @@ def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: 
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
                 limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
-                trial=side.trial)
+                trial=side.trial, lean_pools=side.lean_pools)
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -441,7 +454,7 @@ def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], 
     emit(alone)
     rows = [alone]
     reserved = alone.get("peak_reserved_mb") if alone["outcome"] != "error" else None
-    for side in limited_sides(args.streams, args.without_streams1, args.trial):
+    for side in limited_sides(args.streams, args.without_streams1, args.trial, args.lean_pools):
         if reserved is None:
             row = dict(base_row(_payload(config, side, args, None)), outcome="skipped", oom=False,
                        error=f"the recipe alone gave no peak to limit by ({alone.get('error_type')})")
@@ -549,6 +562,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trial", nargs="+", choices=TRIALS, default=list(TRIALS[:1]),
                     help="how an unfused concur step times its programs on its first calls (concur.training.trial); "
                          "a second value adds a run of the defaults timed that way (concur_one_at_a_time)")
+    ap.add_argument("--lean-pools", action="store_true",
+                    help="a run of the defaults whose first plans save no max-pooling indices (concur_lean_pools)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

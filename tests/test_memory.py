@@ -78,6 +78,15 @@ def test_a_second_trial_adds_a_run_of_the_defaults_timed_that_way(tmp_path, monk
     assert [(p["side"], p["trial"]) for p in launcher.payloads[2:]] == [("concur", "one-at-a-time")]
 
 
+def test_lean_pools_adds_a_run_of_the_defaults_whose_first_plans_save_no_pooling_indices(tmp_path, monkeypatch):
+    launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    memory.run(_args(tmp_path, without_streams1=True, lean_pools=True))
+    assert [(p["side"], p["lean_pools"]) for p in launcher.payloads[1:]] == [
+        ("recipe", False), ("concur", False), ("concur_lean_pools", True)]
+    assert memory.parse_args(["--out", str(tmp_path), "--lean-pools"]).lean_pools
+
+
 def test_without_streams1_runs_the_recipe_and_the_defaults_only(tmp_path, monkeypatch):
     launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
     monkeypatch.setattr(memory, "_launch", launcher)
@@ -208,9 +217,10 @@ def _tiny_setup(warn: str | None = None):
 
 
 def _payload(side: str, who: str, streams, limit_bytes=None, path="unfused", network="googlenet",
-             trial="side-by-side") -> dict:
+             trial="side-by-side", lean_pools=False) -> dict:
     return dict(network=network, batch=2, path=path, side=side, who=who, streams=streams,
-                limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3, trial=trial)
+                limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3, trial=trial,
+                lean_pools=lean_pools)
 
 
 @pytest.fixture
@@ -277,6 +287,16 @@ def test_a_concur_row_says_how_its_step_timed_its_programs_and_the_step_timed_th
     row = memory.child(_payload("concur", "concur", None, trial=trial))
     assert row["trial"] == trial and trial_policy.SIDE_BY_SIDE == (trial == "side-by-side")
     assert memory.child(_payload("recipe", "recipe", None, trial=trial))["trial"] is None
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_concur_row_says_whether_its_first_plans_save_pooling_indices_and_the_step_planned_so(cpu_child, lean):
+    from concur.training import rungs
+
+    cpu_child.setattr(rungs, "LEAN_POOLS_FIRST", rungs.LEAN_POOLS_FIRST)  # restored after the test
+    row = memory.child(_payload("concur", "concur", None, lean_pools=lean))
+    assert row["lean_pools"] is lean and rungs.LEAN_POOLS_FIRST is lean
+    assert memory.child(_payload("recipe", "recipe", None, lean_pools=lean))["lean_pools"] is None
 
 
 def test_a_timm_network_without_timm_is_an_error_row(cpu_child):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import concur
 from concur.fx import pool_indices
+from concur.training import rungs
 from tests.test_capture import OOM, FailingGraphs, run
 from tests.test_step_habits import make_batches
 
@@ -141,3 +142,10 @@ def test_the_unfused_fallback_after_running_out_of_memory_saves_no_pooling_indic
     assert not step.lean_pools and step.modules[4].plan.pool_recomputes == 0 and not said
     step.recapture()
     assert not step.lean_pools
+
+
+def test_lean_pools_first_plans_the_first_program_so(monkeypatch):
+    """What experiments/memory.py --lean-pools weighs: every multi-stream plan of the step saving no indices."""
+    monkeypatch.setattr(rungs, "LEAN_POOLS_FIRST", True)
+    step, said = run(monkeypatch, FailingGraphs([]), make_batches(4), streams=4, make=_make_pools)
+    assert step.lean_pools and step.modules[4].plan.pool_recomputes == 2 and not said

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 from typing import Protocol, Union
 
-__all__ = ["Rung", "stream_rungs", "describe"]
+__all__ = ["Rung", "LEAN_POOLS_FIRST", "stream_rungs", "describe"]
 
 Rung = Union[int, str]
+
+# Whether an unfused step's first plans already save no max-pooling indices (concur.fx.pool_indices), not only
+# the rungs after a capture that ran out of memory: off, so that a step that fits runs the model's own program
+# (one more pooling kernel in backward is time, and what memory it saves a step that fits does not need);
+# `experiments/memory.py --lean-pools` weighs it
+LEAN_POOLS_FIRST = False
 
 
 class _Asked(Protocol):
@@ -28,7 +34,8 @@ class _Asked(Protocol):
 
 def stream_rungs(step: _Asked) -> list[Rung]:
     """The rungs ``step`` tries in turn, where a capture runs out of memory: the stream count asked for; for an
-    unfused step asked for more than 2 (or ``"auto"``), 2; then 1.
+    unfused step asked for more than 2 (or ``"auto"``), 2, its plans saving no max-pooling indices
+    (``step.lean_pools``, set where a rung ran out of memory); then 1.
 
     A compiled step takes no 2-stream rung: it takes its backward graphs
     down in the same compiled module (:func:`concur.training.capture._narrow`),

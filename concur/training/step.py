@@ -52,6 +52,7 @@ from concur.training.arguments import as_tuple as _as_tuple, check_arguments, ch
     make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
 from concur.training.capture import capture_one_stream_of, capture_with_fallback
+from concur.training import rungs
 from concur.training.rungs import Rung, stream_rungs
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
 from concur.training.gradients import StepGradients
@@ -109,7 +110,7 @@ class TrainStep:
         self.backends: dict[int, ConcurBackend] = {}  # with compile=True: what each backend compiled
         self.failed_streams: set[Rung] = set()  # rungs whose capture failed: not tried again
         # after a multi-stream capture ran out of memory, the unfused plans built next save no max-pooling indices
-        self.lean_pools = False
+        self.lean_pools = rungs.LEAN_POOLS_FIRST
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
         self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
@@ -209,7 +210,7 @@ class TrainStep:
         dropped after a failure): once the cause is gone, e.g. memory freed or a smaller batch."""
         self.eager_keys.clear()
         self.failed_streams.clear()
-        self.lean_pools = False
+        self.lean_pools = rungs.LEAN_POOLS_FIRST
 
     def _program_streams(self, captured: Captured) -> int:
         """The streams the program of ``captured`` runs on: its plans' (unfused: the plan it runs; fused: the
