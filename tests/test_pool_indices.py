@@ -3,13 +3,15 @@ and the unfused step's fallback after running out of memory planned with it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import concur
-from concur.fx import pool_indices
+from concur.fx import plan_timing, pool_indices
 from concur.training import rungs
 from tests.test_capture import OOM, FailingGraphs, run
 from tests.test_step_habits import make_batches
@@ -119,6 +121,17 @@ def test_a_plan_with_lean_pools_computes_the_models_step_and_saves_no_indices(le
     grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
     expected = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+def test_a_lean_plans_measured_decision_is_its_own():
+    """The plain plan's cache key is as it always was; the lean plan, other kernels in backward, has another."""
+    model = _make_pools()
+    x = make_batches(1)[0][0]
+    plans = [concur.optimize(model, (x,), streams=2, measure=False, lean_pools=lean).plan for lean in (False, True)]
+    keys = [plan_timing.decision_key(model, p.traced, (x,), [p], torch.device("cpu")) for p in plans]
+    assert keys[0] != keys[1]
+    unmarked = dataclasses.replace(plans[1], pool_recomputes=0)
+    assert plan_timing.decision_key(model, unmarked.traced, (x,), [unmarked], torch.device("cpu")) == keys[0]
 
 
 def test_a_one_stream_plan_stays_the_models_own_program():

@@ -90,9 +90,12 @@ def decision_key(model: nn.Module, traced: fx.GraphModule, inputs: tuple, plans:
     shapes = tuple((tuple(t.shape), tuple(t.stride()), str(t.dtype), t.requires_grad) for t in tensors_in(inputs))
     precision = (torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
                  str(torch.get_autocast_dtype(device.type)))
-    # one plan's key as it always was, so that its cached decisions stay valid
+    # one plan's key as it always was, so that its cached decisions stay valid; a plan whose pools save no
+    # indices runs other kernels in backward, so its decisions are its own
     candidates = [x for plan in plans for x in (plan.schedule.order, sorted(plan.schedule.stream.items()),
-                                                plan.weight_grad_splits)]
+                                                plan.weight_grad_splits,
+                                                *([("pool_recomputes", plan.pool_recomputes)]
+                                                  if plan.pool_recomputes else []))]
     return decide.decision_key("fx", traced.code, modules, state, shapes, precision, *candidates,
                                environment(device), decide.MARGIN, *timed_as)
 
