@@ -1,9 +1,10 @@
 """Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
 
 Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--model googlenet|inception_v3|resnet50] [--compile]
-                                        [--no-buffer-reuse]
+                                        [--no-buffer-reuse] [--lean-pools]
 ``--compile`` runs the fused path (torch.compile with the concur backend) without a graph;
-``--no-buffer-reuse`` compiles it with ``buffer_reuse=False``.
+``--no-buffer-reuse`` compiles it with ``buffer_reuse=False``; ``--lean-pools`` plans the unfused path's
+max-pooling layers to save no indices (``concur.training.rungs.LEAN_POOLS_FIRST``).
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
 
@@ -16,11 +17,13 @@ import torchvision
 import concur
 from concur._torch_compat import cuda_sanitizer
 from concur.streams import StreamRuntime
+from concur.training import rungs
 
 # The sanitizer checks the multi-stream plan, so it is not left to a timing: under CSAN every kernel launch is
 # slowed by its bookkeeping, and a measured decision would keep one stream and leave nothing to check.
 os.environ.setdefault("CONCUR_MEASURE", "0")
 
+rungs.LEAN_POOLS_FIRST = "--lean-pools" in sys.argv
 if "--plant-missing-wait" in sys.argv:
     StreamRuntime.wait = lambda self, event: None  # the planted bug CSAN must report
 
@@ -44,4 +47,5 @@ with cuda_sanitizer():
     torch.cuda.synchronize()
     streams = [g.num_streams for b in step.backends.values() for g in b.graphs] if step.compile \
         else step.module.schedule.num_streams
-    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}")
+    pools = 0 if step.compile else step.module.plan.pool_recomputes
+    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}, pools saving no indices {pools}")

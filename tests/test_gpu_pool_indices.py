@@ -1,10 +1,13 @@
-"""GPU test of concur.fx.pool_indices (run on the device machine): GoogLeNet's plan on 4 streams with
-``lean_pools`` holds less memory after forward by its pools' int64 indices, and computes the same step.
+"""GPU tests of concur.fx.pool_indices (run on the device machine): GoogLeNet's plan on 4 streams with
+``lean_pools`` holds less memory after forward by its pools' int64 indices, and computes the same step; its
+steps on 4 streams show no race under PyTorch's CUDA sanitizer.
 
     python -m pytest -q -m cuda tests/test_gpu_pool_indices.py
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torchvision
 
 import concur
 from tests.conftest import assert_close_rel, requires_cuda
+from tests.test_gpu import _sanitized
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -56,3 +60,11 @@ def test_googlenet_on_4_streams_with_lean_pools_holds_less_by_the_indices_and_co
     assert saved >= 0.9 * indices, f"saved {saved} bytes, the pools' indices are {indices}"
     for a, b in zip(grads[False], grads[True]):
         assert_close_rel(b, a, 2e-2, "a parameter's gradient, lean against plain")
+
+
+def test_the_lean_plan_on_4_streams_shows_no_race_under_the_sanitizer():
+    run = _sanitized("--model", "googlenet", "--lean-pools")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "CSAN" not in run.stderr
+    found = re.search(r"streams (\d+), pools saving no indices (\d+)", run.stdout)
+    assert found and int(found[1]) > 1 and int(found[2]) == 13, run.stdout[-500:]
