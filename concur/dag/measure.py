@@ -231,10 +231,10 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream)
     invalidates the capture ("operation not permitted when stream is
     capturing"). Just before, only its young generations are collected
     (:data:`COLLECTED_BEFORE_CAPTURE`): a full collection walks every object
-    of the process, a third of a second and more once inductor has compiled,
-    on each of a setup's dozen captures (``torch.cuda.graph`` stopped running
-    one for that reason); a failed attempt's cycles are collected in full
-    where it is given back. Where a capture fails, the device's generator is
+    of the process, which inductor's compiled code makes many, on each of a
+    setup's captures (``torch.cuda.graph`` stopped running one for that
+    reason); a failed attempt's cycles are collected in full where it is
+    given back. Where a capture fails, the device's generator is
     taken out of capture mode at once (random ops run eagerly right after,
     in a warm-up), and the pool is cleaned up after once the failed graph is
     gone (:func:`settle_failed_captures`): before the next capture, or where

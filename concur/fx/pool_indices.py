@@ -3,12 +3,12 @@
 A max-pooling layer under autograd runs ``aten.max_pool2d_with_indices`` and
 saves its input and the indices of each window's maximum, int64 the size of
 its output: four times a bf16 output, and the input is saved beside them.
-In an Inception block the 3x3 stride-1 pool sees the block's whole input, so
-in GoogLeNet the indices are about a third of the memory alive at the start
-of backward, the step's peak (inductor saves int8 offsets instead; the eager
-program saves the indices). Where a multi-stream program runs out of memory,
-its side streams holding blocks only they may reuse, those bytes decide
-whether the streams fit.
+Where a 3x3 stride-1 pool reads an Inception block's whole input, the
+indices are a large share of the memory alive at the start of backward, the
+step's peak (inductor saves int8 offsets instead; the eager program saves
+the indices; the figures are in ``experiments/RESULTS.md``). Where a
+multi-stream program runs out of memory, its side streams holding blocks
+only they may reuse, those bytes decide whether the streams fit.
 
 :func:`max_pool2d` saves the input alone (which the plain layer saves too)
 and recomputes the indices in backward, with the same aten op on the same
