@@ -1,6 +1,6 @@
 """Who holds the memory of a captured step, against PyTorch's recipe (experiments/peers.py), from the allocator's history.
 
-    PYTHONPATH=. python experiments/memory_diff.py --model resnet50 --batch 8 --who concur [--compile] [--streams 1]
+    PYTHONPATH=. python experiments/memory_diff.py --model resnet50 --batch 8 --who concur [--compile] [--streams 1] [--lean-pools]
 
 Records the caching allocator's history through setup (building the step,
 its capture) and three calls, then prints, grouped by the Python line that
@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-step-decision", action="store_true",
                     help="leave out train_step's decision over the whole step (concur.training.step_streams)")
+    ap.add_argument("--lean-pools", action="store_true",
+                    help="concur's unfused plans save no max-pooling indices from the start "
+                         "(concur.training.rungs.LEAN_POOLS_FIRST)")
     return ap.parse_args(argv)
 
 
@@ -133,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_step_decision:
         import concur.training.step as step_module
         step_module.decide_step_streams = lambda *a, **k: None
+    if args.lean_pools:
+        from concur.training import rungs
+        rungs.LEAN_POOLS_FIRST = True
     model, batch, loss_fn, opt = cuda_setup(args.model, args.batch)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     peak, at_peak, end = _live_at_peak_and_end(trace)
     label = f"{args.who} {args.model} b{args.batch} {'compiled' if args.compile else 'eager'} streams={args.streams}" + \
-        (" (no step decision)" if args.no_step_decision else "") + \
+        (" (no step decision)" if args.no_step_decision else "") + (" (lean pools)" if args.lean_pools else "") + \
         (" (timing off)" if args.who == "concur" and os.environ.get("CONCUR_MEASURE") == "0" else "")
     print(f"\n{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items()) + f"; traced peak {mb(peak):.1f} MB")
     rows = {}

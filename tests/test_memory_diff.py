@@ -11,8 +11,9 @@ from experiments import memory_diff
 
 def test_arguments_name_the_side_and_default_to_resnet50_b8_on_one_stream():
     args = memory_diff.parse_args(["--who", "recipe"])
-    assert (args.who, args.model, args.batch, args.streams, args.compile, args.json) == \
-        ("recipe", "resnet50", 8, 1, False, None)
+    assert (args.who, args.model, args.batch, args.streams, args.compile, args.json, args.lean_pools) == \
+        ("recipe", "resnet50", 8, 1, False, None, False)
+    assert memory_diff.parse_args(["--who", "concur", "--streams", "2", "--lean-pools"]).lean_pools
     with pytest.raises(SystemExit):
         memory_diff.parse_args([])  # which side is measured has no default: one process per side
     with pytest.raises(SystemExit):
