@@ -1,6 +1,7 @@
 """Who holds the memory of a captured step, against PyTorch's recipe (experiments/peers.py), from the allocator's history.
 
-    PYTHONPATH=. python experiments/memory_diff.py --model resnet50 --batch 8 --who concur [--compile] [--streams 1] [--lean-pools]
+    PYTHONPATH=. python experiments/memory_diff.py --model resnet50 --batch 8 --who concur [--compile] [--streams 1]
+        [--lean-pools]
 
 Records the caching allocator's history through setup (building the step,
 its capture) and three calls, then prints, grouped by the Python line that
