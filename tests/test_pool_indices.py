@@ -150,6 +150,8 @@ def test_the_unfused_fallback_after_running_out_of_memory_saves_no_pooling_indic
     assert step.modules[2].plan.pool_recomputes == 2
     (warning,) = said
     assert "running it on 2 streams, its 2 max-pooling layers saving no indices instead" in warning
+    assert str(step.status).startswith("captured, 2 streams of 4 asked for: the step on 4 streams does not fit")
+    assert "; on 2 streams, its 2 max-pooling layers saving no indices" in step.status.why
 
     step, said = run(monkeypatch, FailingGraphs([]), make_batches(4), streams=4, make=_make_pools)
     assert not step.lean_pools and step.modules[4].plan.pool_recomputes == 0 and not said

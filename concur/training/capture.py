@@ -126,8 +126,11 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
             if missed:
+                lean = _lean_pools_said(step, streams)
                 step._warn_once(f"concur.train_step: {'; '.join(missed)}; running it on {describe(streams)}"
-                                f"{_lean_pools_said(step, streams)} instead, for this and later input shapes.")
+                                f"{lean} instead, for this and later input shapes.")
+                if lean:  # the status says it too: a program that differs from the plain one in backward
+                    log.fallbacks[-1] += f"; on {describe(streams)}{lean}"
             _keep(step, key, captured)
             return captured
         if streams == 1:
