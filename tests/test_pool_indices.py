@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision
 
 import concur
 from concur.fx import plan_timing, pool_indices
@@ -164,3 +165,19 @@ def test_lean_pools_first_plans_the_first_program_so(monkeypatch):
     monkeypatch.setattr(rungs, "LEAN_POOLS_FIRST", True)
     step, said = run(monkeypatch, FailingGraphs([]), make_batches(4), streams=4, make=_make_pools)
     assert step.lean_pools and step.modules[4].plan.pool_recomputes == 2 and not said
+
+
+def test_googlenets_lean_plan_computes_its_plain_plans_step_bit_for_bit():
+    """torchvision's GoogLeNet: its 13 max-pooling layers (4 in the stem with ceil_mode, 9 branch pools)."""
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).double()
+    model.dropout.p = 0.0  # the two plans' steps compare without a dropout mask between them
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64, requires_grad=True)
+    results = []
+    for lean in (False, True):
+        module = concur.optimize(model, (x,), streams=4, measure=False, lean_pools=lean)
+        assert module.plan.pool_recomputes == (13 if lean else 0)
+        out = module(x)
+        results.append((out, torch.autograd.grad(out.square().sum(), [x, *model.parameters()])))
+    (out, grads), (lean_out, lean_grads) = results
+    assert torch.equal(out, lean_out) and all(torch.equal(a, b) for a, b in zip(grads, lean_grads))
