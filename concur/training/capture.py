@@ -38,7 +38,7 @@ import torch.nn as nn
 from concur import _torch_compat as compat
 from concur.errors import failure_text
 from concur.fx.plan_timing import PendingChoice
-from concur.fx.plan import cuda_device
+from concur.fx.plan import Plan, cuda_device
 from concur.training import captured_optim
 from concur.training import trial as trial_policy
 from concur.training.gradients import StepGradients, optimized_parameters
@@ -167,22 +167,29 @@ def _no_narrower(rung: Rung, widest: int | None) -> bool:
     return rung != 1 and widest is not None and isinstance(rung, int) and rung >= widest
 
 
+def _plan_of(step: CapturingStep, streams: Rung) -> Plan | None:
+    """The plan the unfused module on ``streams`` runs; None where there is none (compiled, or no plan for this
+    mode yet)."""
+    try:
+        return step.modules[streams].plan
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+
+
 def _lean_pools_said(step: CapturingStep, streams: Rung) -> str:
     """", its N max-pooling layers saving no indices" where the unfused module on ``streams`` runs a plan that
     recomputes them (:mod:`concur.fx.pool_indices`), else ""."""
-    try:
-        pools = step.modules[streams].plan.pool_recomputes
-    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
-        return ""
+    plan = _plan_of(step, streams)
+    pools = plan.pool_recomputes if plan is not None else 0
     return f", its {pools} max-pooling layer{'s' if pools != 1 else ''} saving no indices" if pools else ""
 
 
 def _program_width(step: CapturingStep, streams: Rung) -> int | None:
     """How many streams the unfused module on ``streams`` ran (an ``"auto"`` module picks its own), where known."""
-    try:
-        return step.modules[streams].schedule.num_streams
-    except (KeyError, AttributeError, RuntimeError):  # compiled, or no plan for this mode yet
-        return streams if isinstance(streams, int) else None
+    plan = _plan_of(step, streams)
+    if plan is not None:
+        return plan.schedule.num_streams
+    return streams if isinstance(streams, int) else None
 
 
 def _capture_on(step: CapturingStep, inputs: tuple, targets: Any, key: tuple, streams: Rung,
