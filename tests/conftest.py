@@ -55,6 +55,19 @@ def flat_tensors(value: Any) -> list[torch.Tensor]:
 CHUNK = 1 << 22  # elements compared at a time: float64 copies of a whole VGG gradient take 4 GB
 
 
+def autograd_nodes(out: torch.Tensor, named: Callable[[str], bool]) -> int:
+    """Count the nodes of the autograd graph behind ``out`` whose type name ``named`` accepts."""
+    seen, stack, count = set(), [out.grad_fn], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        count += named(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    return count
+
+
 def _squared_norms(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
     """Return ||actual - expected||^2 and ||expected||^2, in float64, a chunk at a time."""
     diff = norm = 0.0

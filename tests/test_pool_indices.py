@@ -14,6 +14,7 @@ import torchvision
 import concur
 from concur.fx import plan_timing, pool_indices
 from concur.training import rungs
+from tests.conftest import autograd_nodes
 from tests.test_capture import OOM, FailingGraphs, run
 from tests.test_step_habits import make_batches
 
@@ -99,15 +100,7 @@ def _make_pools(seed=0):
 
 
 def _pool_backward_nodes(out: torch.Tensor) -> int:
-    seen, todo, found = set(), [out.grad_fn], 0
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        found += type(fn).__name__.startswith("MaxPool2DWithIndicesBackward")
-        todo.extend(f for f, _ in fn.next_functions)
-    return found
+    return autograd_nodes(out, lambda name: name.startswith("MaxPool2DWithIndicesBackward"))
 
 
 @pytest.mark.parametrize("lean", [False, True])

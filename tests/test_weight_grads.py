@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import concur
 from concur.fx import weight_grads
 from concur.streams import StreamRuntime
-from tests.conftest import assert_close_rel
+from tests.conftest import assert_close_rel, autograd_nodes
 from tests.models import WideNet
 from tests.test_step import plain_loop
 
@@ -66,15 +66,7 @@ def split_nodes(module: nn.Module) -> int:
 
 def weight_grad_nodes(out: torch.Tensor) -> int:
     """Count the weight-gradient nodes in the autograd graph behind ``out``."""
-    seen, stack, count = set(), [out.grad_fn], 0
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        count += type(fn).__name__ == "_WeightGradBackward"
-        stack.extend(f for f, _ in fn.next_functions)
-    return count
+    return autograd_nodes(out, "_WeightGradBackward".__eq__)
 
 
 def optimized_pair(make, x, **kw):
