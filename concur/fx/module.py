@@ -131,11 +131,10 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
                                               memory_budget=budget,
                                               training_memory=o.get("memory_model") == "training")
         candidates = [s for s in schedules if s.num_streams > 1]
+        rewrites = (o["split_weight_grads"], o.get("lean_pools", False))  # a copy made before lean_pools has none
         if not candidates:
-            return generate_plan(self.original, traced, dag, prologue, schedules[0], o["split_weight_grads"],
-                                 o.get("lean_pools", False))
-        plans = [generate_plan(self.original, traced, dag, prologue, s, o["split_weight_grads"],
-                               o.get("lean_pools", False)) for s in candidates]
+            return generate_plan(self.original, traced, dag, prologue, schedules[0], *rewrites)
+        plans = [generate_plan(self.original, traced, dag, prologue, s, *rewrites) for s in candidates]
         predictions = [decide.predict(scheduled, s) for s in candidates]
         made: list[Plan] = []
 
