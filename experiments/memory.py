@@ -319,7 +319,7 @@ def _train(payload: dict, row: dict) -> None:
     else:
         _record_failures(row)
         step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"],
-                            payload.get("lean_pools", False))
+                            payload["lean_pools"])
     step(*batch)
     calls = 1
     # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
@@ -361,7 +361,7 @@ def base_row(payload: dict) -> dict:
     return dict(network=payload["network"], batch=payload["batch"], path=payload["path"], side=payload["side"],
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
                 trial=payload["trial"] if payload["who"] == "concur" else None,
-                lean_pools=payload.get("lean_pools", False) if payload["who"] == "concur" else None,
+                lean_pools=payload["lean_pools"] if payload["who"] == "concur" else None,
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
