@@ -25,6 +25,10 @@
 #              HOST_SPECS ("MODEL BATCH [--compile]" separated by ";", default "googlenet 8;resnet50 64 --compile"):
 #              a synced step's host time per call before its replay, concur against the recipe, and the Python
 #              functions by their own time; OUT/host/host.txt, OUT/host/host.jsonl
+#   memdiff    experiments/memory_diff.py side by side for each of MEMDIFF_SPECS ("MODEL BATCH [--compile]" separated by
+#              ";", default the fused GoogLeNet b8 and b64, Inception-v3 b32, ResNet-50 b8 and the unfused GoogLeNet
+#              b8): the recipe, concur's default, the same with its decisions' timing off (CONCUR_MEASURE=0) and
+#              without the step decision; what timing adds to setup's peak. OUT/memdiff/memdiff.jsonl, summary.txt
 #   wrappers   golden wrappers + scheduler oracle (experiments/capture_wrappers.py) for GoogLeNet, Inception-v3
 #              and ResNet-50 in fp32 and bf16, 6 processes side by side; packed to OUT/wrappers/wrappers_cuda.tgz
 # DEADLINE (default 585 s) bounds the steps that run side by side, so what finished is written before the call's limit.
@@ -35,8 +39,9 @@ if [ "${1:-}" = --out ]; then [ -n "${2:-}" ] || usage; OUT=$2; shift 2; fi
 [ -n "${OUT:-}" ] || { echo "name the output folder: set OUT or pass --out DIR" >&2; usage; }
 [ $# -gt 0 ] || usage
 for step in "$@"; do  # every step known before any starts
-  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|host|wrappers) ;;
-    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup host wrappers" >&2; exit 2 ;; esac
+  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|host|memdiff|wrappers) ;;
+    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup host memdiff wrappers" >&2
+       exit 2 ;; esac
 done
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -111,6 +116,22 @@ for step in "$@"; do
               --batch "$b" ${c:-} --profile 10 --python ${HOST_PYTHON:-50} --json "$dir/host.jsonl" 2>&1 \
               | grep -v Warning | tee -a "$dir/host.txt"
           done ;;
+    memdiff) begin_parallel "$dir"
+             default="googlenet 8 --compile;googlenet 64 --compile;inception_v3 32 --compile;resnet50 8 --compile"
+             IFS=';' read -ra specs <<< "${MEMDIFF_SPECS:-$default;googlenet 8}"
+             for spec in "${specs[@]}"; do
+               read -r m b c <<< "$spec"
+               name=${m}_b$b${c:+_c}
+               run=(python3 -m experiments.memory_diff --model "$m" --batch "$b" ${c:-})
+               # one JSON file per process: lines of processes side by side never interleave
+               t "${name}_recipe" "${run[@]}" --who recipe --json "$d/${name}_recipe.jsonl"
+               t "${name}_concur" "${run[@]}" --who concur --json "$d/${name}_concur.jsonl"
+               t "${name}_timing_off" env CONCUR_MEASURE=0 "${run[@]}" --who concur --json "$d/${name}_timing_off.jsonl"
+               t "${name}_no_step_decision" "${run[@]}" --who concur --no-step-decision \
+                 --json "$d/${name}_no_step_decision.jsonl"
+             done
+             end_parallel "$dir" "setup_peak"
+             cat "$d"/*.jsonl > "$dir/memdiff.jsonl" ;;
     wrappers) for m in googlenet inception_v3 resnet50; do for p in fp32 bf16_cl; do
                 timeout 540 python3 -m experiments.capture_wrappers --device cuda --models $m --precisions $p \
                   --out "$dir/wrappers" > "$dir/capture_${m}_$p.log" 2>&1 &

@@ -16,20 +16,24 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ta
                                 reason="needs bash and tar")
 
 
-def run_script(tmp_path: Path, script: str, *args: str, run_dir: bool = True,
-               out: bool = True) -> tuple[int, list[str], str]:
+def run_script(tmp_path: Path, script: str, *args: str, run_dir: bool = True, out: bool = True,
+               extra_env: dict[str, str] | None = None) -> tuple[int, list[str], str]:
     """Run ``script`` (given ``tmp_path/run`` first where ``run_dir``, and ``$OUT`` where ``out``) with a python3 that
     logs its arguments and an nvidia-smi that prints a name; return the exit status, the python3 command lines, and
     stderr."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "python3.log"
-    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\necho "$*" >> "{log}"\n')
+    # where CONCUR_ENV_LOG is set, each call also logs its CONCUR_MEASURE ("-" where unset)
+    (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\necho "$*" >> "{log}"\n'
+                                     '[ -n "$CONCUR_ENV_LOG" ] && echo "${CONCUR_MEASURE:--}" >> "$CONCUR_ENV_LOG"\n'
+                                     'exit 0\n')
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho fake\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("OUT", None)
+    env.update(extra_env or {})
     if out:
         env["OUT"] = str(tmp_path / "out")
     first = [str(tmp_path / "run")] if run_dir else []
@@ -126,3 +130,19 @@ def test_gpu_check_stress_step_counts_captures_under_its_own_folder(tmp_path):
     assert rc == 0
     assert any(c.startswith(f"-m experiments.capture_stress --out {tmp_path / 'out' / 'stress'} --deadline ")
                for c in calls), calls
+
+
+def test_gpu_check_memdiff_step_runs_four_sides_of_each_spec_each_into_its_own_file(tmp_path):
+    env_log = tmp_path / "env.log"
+    rc, calls, _ = run_script(tmp_path, "gpu_check.sh", "memdiff", run_dir=False,
+                              extra_env={"MEMDIFF_SPECS": "googlenet 8 --compile;resnet50 8",
+                                         "CONCUR_ENV_LOG": str(env_log)})
+    assert rc == 0
+    diffs = [c for c in calls if c.startswith("-m experiments.memory_diff")]
+    assert len(diffs) == 8
+    assert sum("--who recipe" in c for c in diffs) == 2 and sum("--no-step-decision" in c for c in diffs) == 2
+    assert sum("--compile" in c for c in diffs) == 4
+    files = [c.split("--json ")[1] for c in diffs]
+    assert len(set(files)) == 8  # side by side, so no two processes append to one file
+    # the timing-off side alone runs with CONCUR_MEASURE=0
+    assert env_log.read_text().split().count("0") == 2
