@@ -27,8 +27,9 @@
 #              functions by their own time; OUT/host/host.txt, OUT/host/host.jsonl
 #   memdiff    experiments/memory_diff.py side by side for each of MEMDIFF_SPECS ("MODEL BATCH [--compile]" separated by
 #              ";", default the fused GoogLeNet b8 and b64, Inception-v3 b32, ResNet-50 b8 and the unfused GoogLeNet
-#              b8): the recipe, concur's default, the same with its decisions' timing off (CONCUR_MEASURE=0) and
-#              without the step decision; what timing adds to setup's peak. OUT/memdiff/memdiff.jsonl, summary.txt
+#              b8): the recipe, concur on MEMDIFF_STREAMS (default 4), the same with its decisions' timing off
+#              (CONCUR_MEASURE=0) and without the step decision; what timing adds to setup's peak.
+#              OUT/memdiff/memdiff.jsonl, OUT/memdiff/summary.txt
 #   wrappers   golden wrappers + scheduler oracle (experiments/capture_wrappers.py) for GoogLeNet, Inception-v3
 #              and ResNet-50 in fp32 and bf16, 6 processes side by side; packed to OUT/wrappers/wrappers_cuda.tgz
 # DEADLINE (default 585 s) bounds the steps that run side by side, so what finished is written before the call's limit.
@@ -125,10 +126,10 @@ for step in "$@"; do
                run=(python3 -m experiments.memory_diff --model "$m" --batch "$b" ${c:-})
                # one JSON file per process: lines of processes side by side never interleave
                t "${name}_recipe" "${run[@]}" --who recipe --json "$d/${name}_recipe.jsonl"
-               t "${name}_concur" "${run[@]}" --who concur --json "$d/${name}_concur.jsonl"
-               t "${name}_timing_off" env CONCUR_MEASURE=0 "${run[@]}" --who concur --json "$d/${name}_timing_off.jsonl"
-               t "${name}_no_step_decision" "${run[@]}" --who concur --no-step-decision \
-                 --json "$d/${name}_no_step_decision.jsonl"
+               run+=(--who concur --streams "${MEMDIFF_STREAMS:-4}")
+               t "${name}_concur" "${run[@]}" --json "$d/${name}_concur.jsonl"
+               t "${name}_timing_off" env CONCUR_MEASURE=0 "${run[@]}" --json "$d/${name}_timing_off.jsonl"
+               t "${name}_no_step_decision" "${run[@]}" --no-step-decision --json "$d/${name}_no_step_decision.jsonl"
              done
              end_parallel "$dir" "setup_peak"
              cat "$d"/*.jsonl > "$dir/memdiff.jsonl" ;;

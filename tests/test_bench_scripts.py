@@ -142,6 +142,7 @@ def test_gpu_check_memdiff_step_runs_four_sides_of_each_spec_each_into_its_own_f
     assert len(diffs) == 8
     assert sum("--who recipe" in c for c in diffs) == 2 and sum("--no-step-decision" in c for c in diffs) == 2
     assert sum("--compile" in c for c in diffs) == 4
+    assert all(("--streams 4" in c) == ("--who concur" in c) for c in diffs)  # concur's default, not memory_diff's 1
     files = [c.split("--json ")[1] for c in diffs]
     assert len(set(files)) == 8  # side by side, so no two processes append to one file
     # the timing-off side alone runs with CONCUR_MEASURE=0
