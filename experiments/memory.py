@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m experiments.memory --out DIR [--jobs 4]
     PYTHONPATH=. python -m experiments.memory --out DIR --networks googlenet --batches 64 --paths fused --streams auto
     PYTHONPATH=. python -m experiments.memory --out DIR --batches 64 --jobs 1 --without-streams1   (speeds, alone)
-    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial side-by-side one-at-a-time
+    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial one-at-a-time side-by-side
     PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --without-streams1 --lean-pools
 
 For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
@@ -13,9 +13,9 @@ memory R, setup included, is the yardstick. Then, each under a process limit
 of ``--limit`` x R (default 1.05): the recipe again (it must fit under its own
 limit), concur's defaults (``train_step(..., amp_dtype=torch.bfloat16,
 compile=path == "fused")``, 4 streams) and concur with ``streams=1``;
-``--streams auto`` adds rows with ``streams="auto"``; ``--trial side-by-side
-one-at-a-time`` adds the defaults with an unfused step's first calls timing
-its programs one at a time (``concur_one_at_a_time``); ``--lean-pools`` adds
+``--streams auto`` adds rows with ``streams="auto"``; ``--trial one-at-a-time
+side-by-side`` adds the defaults with an unfused step's first calls timing
+its programs side by side (``concur_side_by_side``); ``--lean-pools`` adds
 the unfused defaults with every multi-stream plan saving no max-pooling
 indices from the start (``concur_lean_pools``,
 ``concur.training.rungs.LEAN_POOLS_FIRST``; by default only the plans after
@@ -96,9 +96,9 @@ NETWORKS = ("googlenet", "inception_v3", "resnet50", "hrnet_w18_small")
 BATCHES = (8, 64, 128)
 PATHS = ("fused", "unfused")
 RECIPE_OF_PATH = {"fused": "compile_graph", "unfused": "eager_graph"}
-# how an unfused concur step times its programs on its first calls: every program captured at once (the
-# default), or one at a time (concur.training.trial.SIDE_BY_SIDE off)
-TRIALS = ("side-by-side", "one-at-a-time")
+# how an unfused concur step times its programs on its first calls: one at a time (the default), or every
+# program captured at once (concur.training.trial.SIDE_BY_SIDE on)
+TRIALS = ("one-at-a-time", "side-by-side")
 ROW_MARK = "MEMORY_ROW "  # the child's row among whatever else torch prints to stdout
 MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past this it is measured as it stands
 CHILD_TIMEOUT_S = 3600.0
@@ -137,7 +137,7 @@ def limited_sides(extra_streams: list[str], without_streams1: bool = False,
                   trials: Iterable[str] = TRIALS[:1], lean_pools: bool = False) -> list[Side]:
     """The runs under the limit: the recipe, concur's defaults, concur on one stream (unless ``without_streams1``:
     a run that times the defaults alone saves a compile), then each extra stream count, then concur's defaults
-    again for each trial after the first (``concur_one_at_a_time``): the first trial is every concur run's; then,
+    again for each trial after the first (``concur_side_by_side``): the first trial is every concur run's; then,
     with ``lean_pools``, the defaults with their first plans saving no max-pooling indices."""
     first, *others = dict.fromkeys(trials)
     sides = [Side("recipe", "recipe"), Side("concur", "concur", trial=first)]
@@ -561,7 +561,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")
     ap.add_argument("--trial", nargs="+", choices=TRIALS, default=list(TRIALS[:1]),
                     help="how an unfused concur step times its programs on its first calls (concur.training.trial); "
-                         "a second value adds a run of the defaults timed that way (concur_one_at_a_time)")
+                         "a second value adds a run of the defaults timed that way (concur_side_by_side)")
     ap.add_argument("--lean-pools", action="store_true",
                     help="a run of the defaults whose first plans save no max-pooling indices (concur_lean_pools)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")

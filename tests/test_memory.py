@@ -70,12 +70,12 @@ def test_each_limited_run_gets_the_recipes_peak_reserved_times_the_limit(tmp_pat
 def test_a_second_trial_adds_a_run_of_the_defaults_timed_that_way(tmp_path, monkeypatch):
     launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
     monkeypatch.setattr(memory, "_launch", launcher)
-    memory.run(_args(tmp_path, without_streams1=True, trial=["side-by-side", "one-at-a-time"]))
+    memory.run(_args(tmp_path, without_streams1=True, trial=["one-at-a-time", "side-by-side"]))
     sides = [(p["side"], p["trial"]) for p in launcher.payloads[1:]]
-    assert sides == [("recipe", "side-by-side"), ("concur", "side-by-side"), ("concur_one_at_a_time", "one-at-a-time")]
+    assert sides == [("recipe", "one-at-a-time"), ("concur", "one-at-a-time"), ("concur_side_by_side", "side-by-side")]
     launcher.payloads.clear()
-    memory.run(_args(tmp_path, without_streams1=True, trial=["one-at-a-time"]))
-    assert [(p["side"], p["trial"]) for p in launcher.payloads[2:]] == [("concur", "one-at-a-time")]
+    memory.run(_args(tmp_path, without_streams1=True, trial=["side-by-side"]))
+    assert [(p["side"], p["trial"]) for p in launcher.payloads[2:]] == [("concur", "side-by-side")]
 
 
 def test_lean_pools_adds_a_run_of_the_defaults_whose_first_plans_save_no_pooling_indices(tmp_path, monkeypatch):
@@ -217,7 +217,7 @@ def _tiny_setup(warn: str | None = None):
 
 
 def _payload(side: str, who: str, streams, limit_bytes=None, path="unfused", network="googlenet",
-             trial="side-by-side", lean_pools=False) -> dict:
+             trial="one-at-a-time", lean_pools=False) -> dict:
     return dict(network=network, batch=2, path=path, side=side, who=who, streams=streams,
                 limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3, trial=trial,
                 lean_pools=lean_pools)
@@ -240,6 +240,10 @@ def cpu_child(monkeypatch):
     for recipe in memory.RECIPE_OF_PATH.values():
         monkeypatch.setitem(peers.RECIPES, recipe, peers.eager_step)
     monkeypatch.setattr(memory, "setup", _tiny_setup())
+    # a child sets the step's policies for its process; here that process runs the other tests after this one
+    from concur.training import rungs, trial as trial_policy
+    monkeypatch.setattr(trial_policy, "SIDE_BY_SIDE", trial_policy.SIDE_BY_SIDE)
+    monkeypatch.setattr(rungs, "LEAN_POOLS_FIRST", rungs.LEAN_POOLS_FIRST)
     return monkeypatch
 
 
@@ -283,7 +287,6 @@ def test_an_exception_in_the_child_is_its_outcome_and_an_oom_is_counted_as_one(c
 def test_a_concur_row_says_how_its_step_timed_its_programs_and_the_step_timed_them_so(cpu_child, trial):
     from concur.training import trial as trial_policy
 
-    cpu_child.setattr(trial_policy, "SIDE_BY_SIDE", trial_policy.SIDE_BY_SIDE)  # restored after the test
     row = memory.child(_payload("concur", "concur", None, trial=trial))
     assert row["trial"] == trial and trial_policy.SIDE_BY_SIDE == (trial == "side-by-side")
     assert memory.child(_payload("recipe", "recipe", None, trial=trial))["trial"] is None
@@ -293,7 +296,6 @@ def test_a_concur_row_says_how_its_step_timed_its_programs_and_the_step_timed_th
 def test_a_concur_row_says_whether_its_first_plans_save_pooling_indices_and_the_step_planned_so(cpu_child, lean):
     from concur.training import rungs
 
-    cpu_child.setattr(rungs, "LEAN_POOLS_FIRST", rungs.LEAN_POOLS_FIRST)  # restored after the test
     row = memory.child(_payload("concur", "concur", None, lean_pools=lean))
     assert row["lean_pools"] is lean and rungs.LEAN_POOLS_FIRST is lean
     assert memory.child(_payload("recipe", "recipe", None, lean_pools=lean))["lean_pools"] is None

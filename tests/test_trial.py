@@ -121,6 +121,12 @@ def four_towers(seed=0):
     return Towers(32, (32,) * 4).double()
 
 
+@pytest.fixture
+def side_by_side(monkeypatch):
+    """Every program captured at once where they fit (``trial.SIDE_BY_SIDE``; one at a time is the default)."""
+    monkeypatch.setattr(trial_mod, "SIDE_BY_SIDE", True)
+
+
 def trial_run(monkeypatch, runner, n=24, batches=None, make_opt=sgd, before_step=None, model_fn=make_model, **kw):
     monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
     batches = batches or make_batches(n=n)
@@ -137,6 +143,7 @@ def trial_run(monkeypatch, runner, n=24, batches=None, make_opt=sgd, before_step
 SETTLED_CALLS = (1 + 3) * 2 * trial_mod.REPLAYS
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_first_calls_time_both_programs_and_keep_the_faster(monkeypatch):
     runner = TrialGraphs(one_ms=1.0, streams_ms=0.8)
     step = trial_run(monkeypatch, runner)
@@ -152,6 +159,7 @@ def test_first_calls_time_both_programs_and_keep_the_faster(monkeypatch):
     assert runner.plan_of[id(next(iter(step.graphs.values())).graph)][1].schedule.num_streams == 2
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_one_stream_faster_is_captured_again_in_a_new_pool(monkeypatch):
     runner = TrialGraphs(one_ms=1.0, streams_ms=1.2)
     step = trial_run(monkeypatch, runner)
@@ -177,6 +185,7 @@ def test_rounds_count_only_replays_that_completed(monkeypatch):
     assert not any(t.waits for t in runner.timings), "waited for the device before enough rounds were issued"
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_the_call_that_issues_enough_rounds_waits_for_them_and_decides(monkeypatch):
     """Without the wait the host runs ahead and the programs keep alternating until the device catches up."""
     runner = TrialGraphs(one_ms=1.0, streams_ms=0.8, pending=40)
@@ -202,6 +211,7 @@ def test_accumulation_times_before_the_step_not_during_it(monkeypatch):
     assert not runner.replayed and step._trial is None and not step.step_decisions
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_every_program_warms_up_before_the_first_capture_and_later_ones_once(monkeypatch):
     """The step's warmup passes before the one-stream program, one pass before the trial's other program and
     before the capture again after the decision (its shapes were warmed up already); no warm-up's activations
@@ -259,6 +269,7 @@ def test_the_trial_keeps_clipping_and_adam_as_the_plain_loop_runs_them(monkeypat
     assert decision.keep and decision.source == "measurement" and not step.deciding
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_auto_times_every_stream_count_on_the_first_calls_and_keeps_the_fewest_within_the_margin(monkeypatch):
     runner = TrialGraphs(one_ms=1.0, streams_ms={2: 0.9, 3: 0.8, 4: 0.8})
     step = trial_run(monkeypatch, runner, n=70, streams="auto", model_fn=four_towers)  # 8 rounds of 8 calls
@@ -299,6 +310,7 @@ def not_permitted_while_capturing():
 ONE_AT_A_TIME_CALLS = 2 * trial_mod.PHASE
 
 
+@pytest.mark.usefixtures("side_by_side")
 @pytest.mark.parametrize("streams_ms, failed_at", [(1.2, 1), (0.8, 1), (0.8, 0)])
 def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kept(monkeypatch, caplog,
                                                                                    streams_ms, failed_at):
@@ -330,10 +342,9 @@ def test_where_every_program_does_not_fit_each_is_timed_alone_and_the_faster_kep
 
 
 @pytest.mark.parametrize("streams_ms", [1.2, 0.8])
-def test_with_side_by_side_off_the_first_calls_time_the_programs_one_at_a_time(monkeypatch, caplog, streams_ms):
-    """``trial.SIDE_BY_SIDE = False``: nothing fails, yet no capture holds every program at once; the predicted
-    program is captured alone and timed, then the one-stream program, and the faster is kept."""
-    monkeypatch.setattr(trial_mod, "SIDE_BY_SIDE", False)
+def test_by_default_the_first_calls_time_the_programs_one_at_a_time(monkeypatch, caplog, streams_ms):
+    """The default (``trial.SIDE_BY_SIDE`` off): nothing fails, yet no capture holds every program at once; the
+    predicted program is captured alone and timed, then the one-stream program, and the faster is kept."""
     monkeypatch.setattr(capture_mod, "capture_trial", lambda *a, **k: pytest.fail("every program captured at once"))
     runner = TrialGraphs(one_ms=1.0, streams_ms=streams_ms)
     with caplog.at_level("INFO", logger="concur"):
@@ -351,8 +362,7 @@ def test_with_side_by_side_off_the_first_calls_time_the_programs_one_at_a_time(m
     assert step.module.plan.schedule.num_streams == kept
 
 
-def test_with_side_by_side_off_a_choice_narrowed_from_several_candidates_is_not_cached(monkeypatch):
-    monkeypatch.setattr(trial_mod, "SIDE_BY_SIDE", False)
+def test_one_at_a_time_a_choice_narrowed_from_several_candidates_is_not_cached(monkeypatch):
     runner = TrialGraphs(one_ms=1.0, streams_ms={2: 0.8, 3: 0.7, 4: 0.75})
     trial_run(monkeypatch, runner, streams="auto", model_fn=four_towers)
     assert len(set(runner.replayed)) == 2, "one stream and the predicted candidate, one at a time"
@@ -361,6 +371,7 @@ def test_with_side_by_side_off_a_choice_narrowed_from_several_candidates_is_not_
     assert again.replayed, "not cached: the cache holds decisions between every candidate"
 
 
+@pytest.mark.usefixtures("side_by_side")
 @pytest.mark.parametrize("streams_ms", [1.2, 0.8])
 def test_another_shape_while_programs_are_timed_one_at_a_time_trains_as_the_plain_loop(monkeypatch, streams_ms):
     """A smaller batch now and then while the programs are timed one at a time: it runs the plan the module runs
@@ -378,6 +389,7 @@ def test_another_shape_while_programs_are_timed_one_at_a_time_trains_as_the_plai
     assert all(runner.plan_of[id(c.graph)][1].schedule.num_streams == kept for c in step.graphs.values())
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_where_the_one_stream_program_alone_cannot_be_captured_the_prediction_decides(monkeypatch):
     runner = FailsOnce(out_of_memory_at_capture_end, then=(2,), one_ms=1.0, streams_ms=1.2)
     step = trial_run(monkeypatch, runner)
@@ -388,6 +400,7 @@ def test_where_the_one_stream_program_alone_cannot_be_captured_the_prediction_de
     assert step.status.streams == 2 and step.status.failures == 2
 
 
+@pytest.mark.usefixtures("side_by_side")
 def test_where_every_program_fails_for_another_reason_the_prediction_decides(monkeypatch):
     """Not out of memory (an operation a capture does not allow, say): the predicted plan alone is captured,
     as where a timing before the step fails; not cached, and no fallback to one stream."""

@@ -4,8 +4,8 @@ Timing a plan before the step (:mod:`concur.fx.plan_timing`) captures each
 program's forward and backward in a graph of its own, warms each up and
 replays each a few dozen times: about half again a setup's time, where the
 measured decisions may add at most 10%. Here each program is captured once, as the whole
-step it would be: the capture the step makes anyway, and one more per other
-program. The first calls then replay the programs in turn, each a real
+step it would be: the capture the step makes anyway, and one more for the
+one-stream program. The first calls then replay the programs, each a real
 training step (all of them compute the same step from the same parameters,
 optimizer state and generators), each replay timed with CUDA events on the
 caller's stream, so the timing costs no replay of its own. Once the rounds
@@ -13,27 +13,30 @@ say what :func:`concur.dag.decide.choose` needs, the faster program stays
 and the others are freed; the decision is cached like any other, so the
 next run builds the chosen plan and captures once.
 
-Rounds as :func:`concur.dag.measure.replay_rounds` times them: round ``r``
-replays each program :data:`REPLAYS` times in a row, in an order rotated by
-``r``, and gives one time per program (the mean of its replays). Round 0
-is not counted: a graph's first replays upload it and run on cold caches.
-Times are read only once their events have completed. Until enough rounds
-are issued to decide (:data:`concur.dag.decide.SETTLED_ROUNDS` counted), no
-call waits for the device; from then on the call that ends a round waits
-for its last replay, once per round. Without that wait the host runs ahead
-and the programs keep alternating until the device catches up: on the H100,
-unfused GoogLeNet b8 took 118 calls to decide what its first 16 had timed.
+By default (:class:`OneAtATime`) the predicted program is captured alone and
+replayed by :data:`PHASE` calls, then freed, and the one-stream program is
+captured in a fresh pool for as many: setup holds one program's pool at a
+time. With :data:`SIDE_BY_SIDE` on (:class:`StepTrial`), every candidate is
+captured at once and the calls alternate between them, rounds as
+:func:`concur.dag.measure.replay_rounds` times them: round ``r`` replays each
+program :data:`REPLAYS` times in a row, in an order rotated by ``r``, and
+gives one time per program (the mean of its replays). Round 0 is not
+counted: a graph's first replays upload it and run on cold caches. Times are
+read only once their events have completed. Until enough rounds are issued
+to decide (:data:`concur.dag.decide.SETTLED_ROUNDS` counted), no call waits
+for the device; from then on the call that ends a round waits for its last
+replay, once per round. Without that wait the host runs ahead and the
+programs keep alternating until the device catches up: on the H100, unfused
+GoogLeNet b8 took 118 calls to decide what its first 16 had timed. Where
+every program at once does not fit in memory, the step times them one at a
+time instead.
 
-Where every program at once does not fit in memory, or with
-:data:`SIDE_BY_SIDE` off, :class:`OneAtATime` times the predicted program,
-then the one-stream program, each captured alone.
-
-The programs share the step's memory pool, the one-stream program captured
-first, so that the others' caller-stream buffers reuse its blocks
-(:func:`concur.training.capture.capture_trial`). Where one stream wins, the
-step drops every graph and captures again in a fresh pool, warming up once:
-the pool would otherwise keep the multi-stream programs' side-stream blocks
-reserved for the life of the step.
+Side by side, the programs share the step's memory pool, the one-stream
+program captured first, so that the others' caller-stream buffers reuse its
+blocks (:func:`concur.training.capture.capture_trial`). Where one stream
+wins, the step drops every graph and captures again in a fresh pool, warming
+up once: the pool would otherwise keep the multi-stream programs'
+side-stream blocks reserved for the life of the step.
 """
 
 from __future__ import annotations
@@ -115,18 +118,19 @@ class StepTrial:
 
 PHASE = 1 + ROUNDS  # the calls that replay one program of a trial one program at a time; the first not counted
 
-# How an unfused step's first calls time its programs where every one would fit: side by side (every program
-# captured at once, in one pool; rounds alternate, so a drift on the device counts against none of them), or
-# one at a time (:class:`OneAtATime` from the start: setup holds one program's pool at a time, where side by
-# side it holds the one-stream program's blocks and the others' side-stream blocks together). Read at each
-# trial's start; ``experiments/memory.py --trial one-at-a-time`` measures the other way.
-SIDE_BY_SIDE = True
+# How an unfused step's first calls time its programs where every one would fit: one at a time (:class:`OneAtATime`:
+# setup holds one program's pool at a time), or side by side (every candidate captured at once, in one pool; rounds
+# alternate, so a drift on the device counts against none of them, but setup then holds the one-stream program's
+# blocks and the others' side-stream blocks together, which the side streams cannot give back to the caller's).
+# Off: both ways kept the same programs at the same speed where they were compared, side by side with more memory
+# (the docs' results). Read at each trial's start; ``experiments/memory.py --trial`` measures either way.
+SIDE_BY_SIDE = False
 
 
 @dataclass
 class OneAtATime:
-    """Where the programs do not fit in memory side by side (or :data:`SIDE_BY_SIDE` is off): the predicted
-    program, then the one-stream program, each captured alone and replayed by :data:`PHASE` of the step's calls.
+    """The predicted program, then the one-stream program, each captured alone and replayed by :data:`PHASE` of
+    the step's calls: the default, and the way where the programs do not fit in memory side by side.
 
     A plan kept on its prediction alone can be slower than one stream where
     the device is short of memory (the docs' results have a case); so under
@@ -137,7 +141,8 @@ class OneAtATime:
     each (one stream first, as :class:`StepTrial`'s rounds): not
     alternating, so a drift between the two halves counts too, but a clear
     answer is what it is for. Cached only where :data:`SIDE_BY_SIDE` is off
-    and the predicted candidate is the only one
+    and the predicted candidate is the only one (``streams="auto"``, which
+    narrows several candidates to one by prediction, times again each run)
     (:meth:`concur.fx.plan_timing.PendingChoice.predicted_alone`).
     """
 
