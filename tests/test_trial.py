@@ -552,3 +552,19 @@ def test_a_decided_trial_says_how_many_other_processes_shared_its_gpu(monkeypatc
         trial.replayed(i, Done(1.0 if i == 0 else 0.5))
     rounds = trial.decided()
     assert rounds is not None and rounds.others == 2 and asked == [torch.device("cuda", 0)]
+
+
+@pytest.mark.parametrize("side", [False, True], ids=["one at a time", "side by side"])
+def test_where_one_stream_wins_the_side_streams_cublas_workspaces_go_back_while_no_graph_lives(monkeypatch, side):
+    """cuBLAS keeps a workspace per stream for the life of the process (32 MiB each on the GPU): the multi-stream
+    program's are given back once its graph is dropped, before the one-stream program is captured."""
+    from concur import _torch_compat as compat
+
+    monkeypatch.setattr(trial_mod, "SIDE_BY_SIDE", side)
+    runner = TrialGraphs(one_ms=1.0, streams_ms=1.2)
+    cleared = []  # at each call: the graphs the step still held
+    monkeypatch.setattr(compat, "clear_cublas_workspaces",
+                        lambda: cleared.append(len(runner.last_step.graphs) if runner.last_step else 0))
+    step = trial_run(monkeypatch, runner)
+    assert step.module.plan.schedule.num_streams == 1
+    assert cleared and all(n == 0 for n in cleared), cleared

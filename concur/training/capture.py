@@ -338,6 +338,8 @@ def capture_one_stream_of(step: CapturingStep, trial: OneAtATime, inputs: tuple,
     step.graphs.clear()
     step._gradients.bound = step._status_of = None
     step._runner.new_pool()
+    # the predicted program's side streams' cuBLAS workspaces: the one-stream program, warmed up anew, uses none
+    compat.clear_cublas_workspaces()
     module.run_plan(module.pending_choice().one_stream)
     try:
         captured = capture(step, inputs, targets, streams, phase, warmup=1)

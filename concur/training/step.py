@@ -397,6 +397,8 @@ class TrainStep:
         # the pool goes back to the device only once no graph captured into it is referred to anywhere
         self._gradients.bound = self._status_of = None
         self._runner.new_pool()
+        # no graph replays into the trial's cuBLAS workspaces now; the chosen program's warm-up makes its own
+        compat.clear_cublas_workspaces()
 
     def _warn_if_values_are_baked(self, values: tuple) -> None:
         # Same groups, other values (a new group is a new layout, not a schedule).
