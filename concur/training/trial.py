@@ -26,8 +26,8 @@ read only once their events have completed. Until enough rounds are issued
 to decide (:data:`concur.dag.decide.SETTLED_ROUNDS` counted), no call waits
 for the device; from then on the call that ends a round waits for its last
 replay, once per round. Without that wait the host runs ahead and the
-programs keep alternating until the device catches up: on the H100, unfused
-GoogLeNet b8 took 118 calls to decide what its first 16 had timed. Where
+programs keep alternating until the device catches up, many calls past
+the ones that decided. Where
 every program at once does not fit in memory, the step times them one at a
 time instead.
 
