@@ -191,8 +191,8 @@ class TrainStep:
         """Whether the step's calls are still timing its programs against each other (:mod:`concur.training.trial`).
 
         An unfused captured step with nothing cached for its plan replays its
-        one-stream and multi-stream programs in turn on its first calls (each
-        a real training step) until their times decide; a benchmark warms up
+        multi-stream and one-stream programs on its first calls (each a real
+        training step) until their times decide; a benchmark warms up
         until this is False, so that it times the program the step keeps.
         """
         return self._trial is not None
@@ -511,10 +511,10 @@ def train_step(model: nn.Module, loss_fn: Callable, optimizer: torch.optim.Optim
     not assumed, and cached on disk per graph, shapes, GPU and torch
     (``CONCUR_MEASURE=0`` leaves it to the prediction). A captured unfused
     step without accumulation measures on its own first calls: it captures
-    the step once per program and replays them in turn, each call a real
-    training step, until their CUDA-event times decide (16 calls or more;
-    :attr:`TrainStep.deciding` says when it is done); then only the faster
-    graph stays. Other steps time their programs during setup.
+    the step with the plan, then with one stream, one program at a time,
+    each call a real training step, until their CUDA-event times decide (16
+    calls or more; :attr:`TrainStep.deciding` says when it is done); then
+    only the faster graph stays. Other steps time their programs during setup.
     """
     check_arguments(example_batch, grad_scaler, accumulate, before_step)
     check_streams(streams, compile, compile_options)
