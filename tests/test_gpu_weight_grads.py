@@ -44,7 +44,9 @@ def _pair():
     model = WideNet(branches=6).cuda().double().train()
     reference = copy.deepcopy(model)
     x = torch.randn(8, 3, 16, 16, device="cuda", dtype=torch.float64)
-    optimized = concur.optimize(model, (x,), streams=4, split_weight_grads=True)
+    # the prediction decides (4 streams): these tests check the weight-gradient stream's synchronization, which a
+    # timing beside other processes on the GPU (the cuda tier runs its files side by side) may drop to one stream
+    optimized = concur.optimize(model, (x,), streams=4, split_weight_grads=True, measure=False)
     assert optimized.schedule.num_streams > 1 and optimized.plan.weight_grad_splits == SPLITS
     return optimized, model, reference
 
