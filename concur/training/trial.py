@@ -27,9 +27,8 @@ to decide (:data:`concur.dag.decide.SETTLED_ROUNDS` counted), no call waits
 for the device; from then on the call that ends a round waits for its last
 replay, once per round. Without that wait the host runs ahead and the
 programs keep alternating until the device catches up, many calls past
-the ones that decided. Where
-every program at once does not fit in memory, the step times them one at a
-time instead.
+the ones that decided. Where every program at once does not fit in memory,
+the step times them one at a time instead.
 
 Side by side, the programs share the step's memory pool, the one-stream
 program captured first, so that the others' caller-stream buffers reuse its
