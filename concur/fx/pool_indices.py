@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from concur import _torch_compat as compat
+from concur.fx.call_checks import autograd_rewrite_applies
 
 __all__ = ["max_pool2d", "pool_forward", "recompute_pool_indices"]
 
@@ -61,14 +62,9 @@ class _RecomputedIndices(torch.autograd.Function):
 
 
 def _usable_now(x: Any) -> bool:
-    """What the plan could not know: grad mode, the input, a trace or compile, saved-tensor hooks."""
-    if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
-        return False
-    if not x.is_floating_point() or x.dim() not in (3, 4) or x.device.type not in ("cuda", "cpu"):
-        return False
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return False
-    return not compat.saved_tensors_hooks_active()  # hooks see what is saved: give them the plain layer's
+    """What the plan could not know: grad mode, the input (one that needs a gradient, batched or not), a trace or
+    compile, saved-tensor hooks."""
+    return autograd_rewrite_applies(x) and x.requires_grad and x.dim() in (3, 4)
 
 
 def max_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,

@@ -53,6 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from concur import _torch_compat as compat
+from concur.fx.call_checks import autograd_rewrite_applies
 from concur.streams import StreamRuntime
 
 SPLIT_TYPES = (nn.Conv2d, nn.Linear)
@@ -177,16 +178,14 @@ def _leaf(p: Any) -> bool:
 
 def _usable_now(module: nn.Module, x: Any) -> bool:
     """What the plan could not know: grad mode, which weights train, hooks added since, the input."""
-    if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.is_floating_point()):
+    if not autograd_rewrite_applies(x):
         return False
-    rank_fits = x.dim() == 4 if isinstance(module, nn.Conv2d) else x.dim() >= 2  # batched inputs only
-    if not rank_fits or x.device.type not in ("cuda", "cpu") or torch.jit.is_tracing() \
-            or torch.compiler.is_compiling():
+    if not (x.dim() == 4 if isinstance(module, nn.Conv2d) else x.dim() >= 2):  # batched inputs only
         return False
     weight, bias = module.weight, module.bias
     if not (_leaf(weight) and weight.requires_grad and (bias is None or _leaf(bias))):
         return False
-    return splittable(module) and not compat.saved_tensors_hooks_active()
+    return splittable(module)
 
 
 def _as_computed(x: torch.Tensor) -> torch.Tensor:
