@@ -50,7 +50,8 @@ from concur.training.status import CaptureLog
 from concur.training.step_body import StepBody
 from concur.training.trial import OneAtATime, StepTrial
 
-__all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit"]
+__all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit",
+           "release_cublas_workspaces"]
 
 
 class CapturingStep(Protocol):
@@ -141,8 +142,7 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         step.modules.pop(streams, None)
         step.backends.pop(streams, None)
         step._runner.failed()
-        if not step.graphs:  # the side streams' cuBLAS workspaces, where no graph replays into them
-            compat.clear_cublas_workspaces()
+        release_cublas_workspaces(step)
         on = describe(widest or streams)
         fallback = (f"the step on {on} does not fit in memory ({why})" if memory else
                     f"capturing the step on {on} failed {attempt} times ({why})")
@@ -159,6 +159,13 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
                     "call.")
     step.eager_keys.add(key)
     return None
+
+
+def release_cublas_workspaces(step: CapturingStep) -> None:
+    """Give back the cuBLAS workspaces of every stream (32 MiB each, kept for the process otherwise) where
+    ``step`` holds no graph that replays into one; the next warm-up makes those its program needs."""
+    if not step.graphs:
+        compat.clear_cublas_workspaces()
 
 
 def _no_narrower(rung: Rung, widest: int | None) -> bool:
@@ -250,8 +257,7 @@ def _narrow(step: CapturingStep, streams: Rung, why: str) -> str:
     to = "" if backend is None else backend.narrow_plans(f"the step with it on streams did not fit in memory ({why})")
     if not to:
         return ""
-    if not step.graphs:  # the backward's side streams' cuBLAS workspaces, where no graph replays into them
-        compat.clear_cublas_workspaces()
+    release_cublas_workspaces(step)  # the backward's side streams'
     step.capture_log.fallbacks.append(f"the step with every graph on streams does not fit in memory ({why}); "
                                       f"{_backward_on(to)}, its forward graphs keep theirs")
     return to
@@ -338,8 +344,7 @@ def capture_one_stream_of(step: CapturingStep, trial: OneAtATime, inputs: tuple,
     step.graphs.clear()
     step._gradients.bound = step._status_of = None
     step._runner.new_pool()
-    # the predicted program's side streams' cuBLAS workspaces: the one-stream program, warmed up anew, uses none
-    compat.clear_cublas_workspaces()
+    release_cublas_workspaces(step)  # the predicted program's side streams': the one-stream program uses none
     module.run_plan(module.pending_choice().one_stream)
     try:
         captured = capture(step, inputs, targets, streams, phase, warmup=1)

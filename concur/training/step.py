@@ -51,7 +51,7 @@ from concur.training import captured_optim
 from concur.training.arguments import as_tuple as _as_tuple, check_arguments, check_optimizer, check_streams, \
     make_capturable, split_option
 from concur.training.batch_checks import BatchChecks
-from concur.training.capture import capture_one_stream_of, capture_with_fallback
+from concur.training.capture import capture_one_stream_of, capture_with_fallback, release_cublas_workspaces
 from concur.training import rungs
 from concur.training.rungs import Rung, stream_rungs
 from concur.training.fingerprint import ModelFingerprint, hyperparameter_key
@@ -397,8 +397,7 @@ class TrainStep:
         # the pool goes back to the device only once no graph captured into it is referred to anywhere
         self._gradients.bound = self._status_of = None
         self._runner.new_pool()
-        # no graph replays into the trial's cuBLAS workspaces now; the chosen program's warm-up makes its own
-        compat.clear_cublas_workspaces()
+        release_cublas_workspaces(self)  # the trial's: the chosen program's warm-up makes its own
 
     def _warn_if_values_are_baked(self, values: tuple) -> None:
         # Same groups, other values (a new group is a new layout, not a schedule).
