@@ -61,3 +61,24 @@ def test_every_capture_begins_with_the_cache_given_back(monkeypatch):
     runner.capture(lambda: "out", step=None)
     before = [cuda.log[i - 1] if i else None for i, (what, _) in enumerate(cuda.log) if what == "capture"]
     assert len(before) == 3 and all(b is not None and b[0] == "empty_cache" for b in before), cuda.log
+
+
+def test_a_pool_left_is_given_back_though_its_graph_sits_in_an_old_reference_cycle(monkeypatch):
+    """A trial's graph lives through many calls, so a reference cycle holding it reaches the oldest generation,
+    which the young collection before each capture does not walk: giving the old pool back collects in full
+    first, or the cache is emptied while the graph is still alive and the pool stays reserved."""
+    import gc
+
+    cuda = fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    runner = graph_runner.CudaGraphRunner(priority=False)
+    graph, _ = runner.capture(lambda: "out", step=None)
+    cycle: list = [graph]
+    cycle.append(cycle)
+    del graph
+    gc.collect()  # the cycle, still referred to, is now in the oldest generation
+    del cycle
+    runner.new_pool()
+    before = len(cuda.log)
+    runner.release_old_pool()
+    assert cuda.log[before:] == [("empty_cache", 0)], "the old pool's graph was alive when the cache was emptied"

@@ -132,9 +132,15 @@ class CudaGraphRunner:
     def release_old_pool(self) -> None:
         """Give the pool :meth:`new_pool` left back to the device, where there is one: before the next warm-up,
         whose activations would otherwise be allocated beside it (unfused GoogLeNet b8: setup's reserved peak
-        988 MB, against 630 MB held by the old pool)."""
+        988 MB, against 630 MB held by the old pool).
+
+        The old pool's graphs may sit in reference cycles that have outlived
+        the young generations a capture collects (a trial's programs, replayed
+        over many calls): only a full collection frees them, and a pool goes
+        back at ``empty_cache`` only once none of its graphs is alive."""
         if self._old_pool_held:
             self._old_pool_held = False
+            gc.collect()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
