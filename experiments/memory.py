@@ -5,6 +5,7 @@
     PYTHONPATH=. python -m experiments.memory --out DIR --batches 64 --jobs 1 --without-streams1   (speeds, alone)
     PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --limit 20 --trial one-at-a-time side-by-side
     PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --without-streams1 --lean-pools
+    PYTHONPATH=. python -m experiments.memory --out DIR --paths unfused --without-streams1 --training-memory
 
 For each network x batch x path, PyTorch's whole-step CUDA-graph recipe
 (experiments/peers.py: ``compile_graph_step`` on the fused path,
@@ -19,7 +20,9 @@ its programs side by side (``concur_side_by_side``); ``--lean-pools`` adds
 the unfused defaults with every multi-stream plan saving no max-pooling
 indices from the start (``concur_lean_pools``,
 ``concur.training.rungs.LEAN_POOLS_FIRST``; by default only the plans after
-a capture that ran out of memory do). A run's outcome is
+a capture that ran out of memory do); ``--training-memory`` adds the unfused
+defaults with plans made for training's memory (``concur_training_memory``,
+``concur.training.rungs.MEMORY_MODEL_FIRST``). A run's outcome is
 ``fit`` (set up and trained its steps), ``fallback`` (it ran, but concur
 warned that it dropped streams or ran eagerly; the warnings are in the row)
 or ``error`` (the exception's type and first line, e.g. OutOfMemoryError;
@@ -121,24 +124,28 @@ class Config:
 class Side:
     """One run under the limit: who runs (``recipe`` or ``concur``), the ``streams`` passed (None: the default),
     how a concur step times its programs on its first calls (``trial``, one of :data:`TRIALS`) and whether its
-    first plans save no max-pooling indices (``lean_pools``)."""
+    first plans save no max-pooling indices (``lean_pools``) and the memory model its plans are made with
+    (``memory_model``, :data:`concur.training.rungs.MEMORY_MODEL_FIRST`)."""
 
     name: str
     who: str
     streams: int | str | None = None
     trial: str = TRIALS[0]
     lean_pools: bool = False
+    memory_model: str = "forward"
 
 
 RECIPE_ALONE = Side("recipe_alone", "recipe")
 
 
 def limited_sides(extra_streams: list[str], without_streams1: bool = False,
-                  trials: Iterable[str] = TRIALS[:1], lean_pools: bool = False) -> list[Side]:
+                  trials: Iterable[str] = TRIALS[:1], lean_pools: bool = False,
+                  training_memory: bool = False) -> list[Side]:
     """The runs under the limit: the recipe, concur's defaults, concur on one stream (unless ``without_streams1``:
     a run that times the defaults alone saves a compile), then each extra stream count, then concur's defaults
     again for each trial after the first (``concur_side_by_side``): the first trial is every concur run's; then,
-    with ``lean_pools``, the defaults with their first plans saving no max-pooling indices."""
+    with ``lean_pools``, the defaults with their first plans saving no max-pooling indices; with
+    ``training_memory``, the defaults with plans made for training's memory (``concur_training_memory``)."""
     first, *others = dict.fromkeys(trials)
     sides = [Side("recipe", "recipe"), Side("concur", "concur", trial=first)]
     if not without_streams1:
@@ -149,6 +156,8 @@ def limited_sides(extra_streams: list[str], without_streams1: bool = False,
     sides += [Side(f"concur_{trial.replace('-', '_')}", "concur", trial=trial) for trial in others]
     if lean_pools:
         sides.append(Side("concur_lean_pools", "concur", trial=first, lean_pools=True))
+    if training_memory:
+        sides.append(Side("concur_training_memory", "concur", trial=first, memory_model="training"))
     return sides
 
 
@@ -240,12 +249,14 @@ def _record_failures(row: dict) -> None:
 
 
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
-                 streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False) -> Any:
+                 streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False,
+                 memory_model: str = "forward") -> Any:
     import concur  # here only: the recipe's processes must not load it
     from concur.training import rungs, trial as trial_policy
 
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
     rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
+    rungs.MEMORY_MODEL_FIRST = memory_model  # what its plans count of memory
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
@@ -319,7 +330,7 @@ def _train(payload: dict, row: dict) -> None:
     else:
         _record_failures(row)
         step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"],
-                            payload["lean_pools"])
+                            payload["lean_pools"], payload["memory_model"])
     step(*batch)
     calls = 1
     # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
@@ -362,6 +373,7 @@ def base_row(payload: dict) -> dict:
                 who=payload["who"], streams_requested=payload["streams"], limit=payload["limit"],
                 trial=payload["trial"] if payload["who"] == "concur" else None,
                 lean_pools=payload["lean_pools"] if payload["who"] == "concur" else None,
+                memory_model=payload["memory_model"] if payload["who"] == "concur" else None,
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
@@ -445,7 +457,7 @@ def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: 
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
                 limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
-                trial=side.trial, lean_pools=side.lean_pools)
+                trial=side.trial, lean_pools=side.lean_pools, memory_model=side.memory_model)
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -454,7 +466,8 @@ def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], 
     emit(alone)
     rows = [alone]
     reserved = alone.get("peak_reserved_mb") if alone["outcome"] != "error" else None
-    for side in limited_sides(args.streams, args.without_streams1, args.trial, args.lean_pools):
+    for side in limited_sides(args.streams, args.without_streams1, args.trial, args.lean_pools,
+                              args.training_memory):
         if reserved is None:
             row = dict(base_row(_payload(config, side, args, None)), outcome="skipped", oom=False,
                        error=f"the recipe alone gave no peak to limit by ({alone.get('error_type')})")
@@ -564,6 +577,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "a second value adds a run of the defaults timed that way (concur_side_by_side)")
     ap.add_argument("--lean-pools", action="store_true",
                     help="a run of the defaults whose first plans save no max-pooling indices (concur_lean_pools)")
+    ap.add_argument("--training-memory", action="store_true",
+                    help="a run of the defaults whose plans are made for training's memory (concur_training_memory)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -87,6 +87,15 @@ def test_lean_pools_adds_a_run_of_the_defaults_whose_first_plans_save_no_pooling
     assert memory.parse_args(["--out", str(tmp_path), "--lean-pools"]).lean_pools
 
 
+def test_training_memory_adds_a_run_of_the_defaults_planned_for_trainings_memory(tmp_path, monkeypatch):
+    launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
+    monkeypatch.setattr(memory, "_launch", launcher)
+    memory.run(_args(tmp_path, without_streams1=True, training_memory=True))
+    assert [(p["side"], p["memory_model"]) for p in launcher.payloads[1:]] == [
+        ("recipe", "forward"), ("concur", "forward"), ("concur_training_memory", "training")]
+    assert memory.parse_args(["--out", str(tmp_path), "--training-memory"]).training_memory
+
+
 def test_without_streams1_runs_the_recipe_and_the_defaults_only(tmp_path, monkeypatch):
     launcher = FakeLauncher(lambda p: _fake_row(p, peak_reserved_mb=1000.0))
     monkeypatch.setattr(memory, "_launch", launcher)
@@ -217,10 +226,10 @@ def _tiny_setup(warn: str | None = None):
 
 
 def _payload(side: str, who: str, streams, limit_bytes=None, path="unfused", network="googlenet",
-             trial="one-at-a-time", lean_pools=False) -> dict:
+             trial="one-at-a-time", lean_pools=False, memory_model="forward") -> dict:
     return dict(network=network, batch=2, path=path, side=side, who=who, streams=streams,
                 limit=1.05 if limit_bytes else None, limit_bytes=limit_bytes, steps=2, timed_steps=3, trial=trial,
-                lean_pools=lean_pools)
+                lean_pools=lean_pools, memory_model=memory_model)
 
 
 @pytest.fixture
@@ -244,6 +253,7 @@ def cpu_child(monkeypatch):
     from concur.training import rungs, trial as trial_policy
     monkeypatch.setattr(trial_policy, "SIDE_BY_SIDE", trial_policy.SIDE_BY_SIDE)
     monkeypatch.setattr(rungs, "LEAN_POOLS_FIRST", rungs.LEAN_POOLS_FIRST)
+    monkeypatch.setattr(rungs, "MEMORY_MODEL_FIRST", rungs.MEMORY_MODEL_FIRST)
     return monkeypatch
 
 
@@ -299,6 +309,19 @@ def test_a_concur_row_says_whether_its_first_plans_save_pooling_indices_and_the_
     row = memory.child(_payload("concur", "concur", None, lean_pools=lean))
     assert row["lean_pools"] is lean and rungs.LEAN_POOLS_FIRST is lean
     assert memory.child(_payload("recipe", "recipe", None, lean_pools=lean))["lean_pools"] is None
+
+
+@pytest.mark.parametrize("model", ["forward", "training"])
+def test_a_concur_row_says_what_memory_its_plans_count_and_the_step_planned_so(cpu_child, monkeypatch, model):
+    from concur.fx import module as api
+    from concur.training import rungs
+
+    asked = []
+    optimize = api.optimize
+    monkeypatch.setattr(api, "optimize", lambda *a, **kw: asked.append(kw["memory_model"]) or optimize(*a, **kw))
+    row = memory.child(_payload("concur", "concur", None, memory_model=model))
+    assert row["memory_model"] == model and rungs.MEMORY_MODEL_FIRST == model and set(asked) == {model}
+    assert memory.child(_payload("recipe", "recipe", None, memory_model=model))["memory_model"] is None
 
 
 def test_a_timm_network_without_timm_is_an_error_row(cpu_child):

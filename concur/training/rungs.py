@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, Union
 
-__all__ = ["Rung", "LEAN_POOLS_FIRST", "stream_rungs", "describe"]
+__all__ = ["Rung", "LEAN_POOLS_FIRST", "MEMORY_MODEL_FIRST", "stream_rungs", "describe"]
 
 Rung = Union[int, str]
 
@@ -25,6 +25,12 @@ Rung = Union[int, str]
 # (one more pooling kernel in backward is time, and what memory it saves a step that fits does not need);
 # `experiments/memory.py --lean-pools` weighs it
 LEAN_POOLS_FIRST = False
+
+# The memory model an unfused step's plans are made with (concur.fx.module.MEMORY_MODELS): "forward", the
+# blocks a forward's side streams keep apart; "training" also counts the activations each side stream saves
+# for backward, which only that stream's backward frees, so a plan made with it runs fewer branches side by side
+# near backward's peak. "forward" by default; `experiments/memory.py --training-memory` weighs the other
+MEMORY_MODEL_FIRST = "forward"
 
 
 class _Asked(Protocol):

@@ -256,7 +256,8 @@ class TrainStep:
                                                          scheduler=self.scheduler,
                                                          split_weight_grads=self.split_weight_grads,
                                                          measure=api.DEFERRED if self._can_trial() else True,
-                                                         lean_pools=self.lean_pools)
+                                                         lean_pools=self.lean_pools,
+                                                         memory_model=rungs.MEMORY_MODEL_FIRST)
         return self.modules[streams]
 
     def _can_trial(self) -> bool:
