@@ -92,6 +92,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from experiments import peers
+from experiments import caller_outputs
 from experiments.sweep_models import cuda_setup as setup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,6 +258,8 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
     rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
     rungs.MEMORY_MODEL_FIRST = memory_model  # what its plans count of memory
+    if os.environ.get(caller_outputs.ENV) == "1":  # a probe (experiments/caller_outputs.py), not concur
+        caller_outputs.install()
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
@@ -346,9 +349,9 @@ def _train(payload: dict, row: dict) -> None:
     held = _held()
     row["held_by_pool_and_stream"] = breakdown()
     _reset_peaks()
-    for _ in range(payload["steps"]):
-        step(*batch)
+    losses = [step(*batch) for _ in range(payload["steps"])]
     steady = _peaks()
+    row["losses"] = [float(loss) for loss in losses]  # the same batch each step: runs of one config compare
     row.update(setup_peak_allocated_mb=setup_peaks[0] / MB, setup_peak_reserved_mb=setup_peaks[1] / MB,
                held_allocated_mb=held[0] / MB, held_reserved_mb=held[1] / MB,
                steady_peak_allocated_mb=steady[0] / MB, steady_peak_reserved_mb=steady[1] / MB,
@@ -356,6 +359,8 @@ def _train(payload: dict, row: dict) -> None:
                peak_reserved_mb=max(setup_peaks[1], steady[1]) / MB)
     if payload["who"] == "concur":
         row.update(_streams_kept(step))
+        if os.environ.get(caller_outputs.ENV) == "1":
+            row["caller_outputs"] = dict(caller_outputs.COUNTS)
     row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
     if payload.get("kernels"):
         row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])

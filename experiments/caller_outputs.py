@@ -1,0 +1,181 @@
+"""A probe: an unfused plan's side-stream outputs allocated from the caller's stream, so the blocks they free in
+backward serve the caller's stream again.
+
+Under memory pressure an unfused multi-stream step runs out where one stream
+fits: the activations a side stream's forward makes are freed by the backward
+into blocks that only that stream may reuse (the caching allocator keys its
+free blocks by stream), while the caller's stream needs new memory. This probe
+makes the outputs of the forward's large ops on a side stream (convolutions on
+cuDNN, batch norm, max and average pooling, concatenation) on the caller's
+stream instead, through their ``out=`` variants, each marked as used by the
+side stream (``record_stream``: during a capture the allocator reuses it once
+the graph orders those uses first). A block the caller's stream hands out may
+have been freed there by work still queued, so before each such output the
+side stream waits for the caller's stream: correct, at the price of an order
+the plan did not ask for.
+
+Enabled in ``experiments/memory.py``'s concur children by ``CONCUR_PROBE_CALLER_OUTPUTS=1`` (the rows say
+``caller_outputs``); :func:`install` patches the plan's stream runtime for the process. Not part of concur.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+ENV = "CONCUR_PROBE_CALLER_OUTPUTS"
+COUNTS: collections.Counter = collections.Counter()  # outputs made on the caller's stream, by op; "kept": not
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) \
+        and not t.is_contiguous() else torch.contiguous_format
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta(v) for v in x)
+    return x
+
+
+class CallerOutputs(TorchDispatchMode):
+    """While a side stream is current, the handled ops' outputs come from the caller's stream."""
+
+    def __init__(self, caller: torch.cuda.Stream):
+        super().__init__()
+        self.caller = caller
+
+    def empty(self, like_shape: torch.Size, dtype: torch.dtype, device: torch.device,
+              fmt: torch.memory_format, side: torch.cuda.Stream) -> torch.Tensor:
+        with torch.cuda.stream(self.caller):
+            t = torch.empty(like_shape, dtype=dtype, device=device, memory_format=fmt)
+        side.wait_stream(self.caller)  # the block may have been freed on the caller's stream by work still queued
+        t.record_stream(side)
+        return t
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = HANDLERS.get(func)
+        side = torch.cuda.current_stream()
+        if handler is None or side == self.caller:
+            return func(*args, **kwargs)
+        launch = None
+        try:
+            launch = handler(self, args, kwargs, side)  # checks and allocations only; the launch is returned
+        except Exception:  # noqa: BLE001 - a probe: any doubt, the op as it is
+            launch = None
+        if launch is None:
+            COUNTS["kept " + str(func)] += 1
+            return func(*args, **kwargs)
+        COUNTS[str(func)] += 1
+        return launch()
+
+
+def _convolution(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+    if kwargs or transposed or x.dim() != 4 or not x.is_cuda:
+        return None
+    backend = torch._C._select_conv_backend(x, w, bias, stride, padding, dilation, transposed, output_padding,
+                                            groups, None)
+    if backend != torch._C._ConvBackend.Cudnn:
+        return None
+    fmt = torch._C._conv_determine_backend_memory_format(x, w, backend)
+    shape = aten.convolution.default(_meta(x), _meta(w), None, stride, padding, dilation, False, output_padding,
+                                     groups).shape
+    out = mode.empty(shape, x.dtype, x.device, fmt, side)
+    xc, wc = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+    flags = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32)
+
+    def launch() -> torch.Tensor:
+        aten.cudnn_convolution.out(xc, wc, padding, stride, dilation, groups, *flags, out=out)
+        if bias is not None:
+            out.add_(bias.reshape(1, -1, 1, 1))
+        return out
+    return launch
+
+
+def _batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    x = args[0]
+    if kwargs or not x.is_cuda:
+        return None
+    metas = aten._batch_norm_with_update.default(*_meta(args))
+    out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
+    stats = [torch.empty(m.shape, dtype=m.dtype, device=x.device) for m in metas[1:]]  # small: on the side stream
+
+    def launch() -> tuple:
+        return aten._batch_norm_with_update.out(*args, out=out, save_mean=stats[0], save_invstd=stats[1],
+                                                reserve=stats[2])
+    return launch
+
+
+def _max_pool(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    x = args[0]
+    if kwargs or not x.is_cuda or x.dim() != 4:
+        return None
+    value, index = aten.max_pool2d_with_indices.default(_meta(x), *args[1:])
+    fmt = _memory_format(x)
+    out = mode.empty(value.shape, x.dtype, x.device, fmt, side)
+    indices = mode.empty(index.shape, index.dtype, x.device, fmt, side)
+    return lambda: aten.max_pool2d_with_indices.out(*args, out=out, indices=indices)
+
+
+def _avg_pool(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    x = args[0]
+    if kwargs or not x.is_cuda or x.dim() != 4:
+        return None
+    shape = aten.avg_pool2d.default(_meta(x), *args[1:]).shape
+    out = mode.empty(shape, x.dtype, x.device, _memory_format(x), side)
+    return lambda: aten.avg_pool2d.out(*args, out=out)
+
+
+def _cat(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    tensors = args[0]
+    if kwargs or not tensors or not all(t.is_cuda for t in tensors):
+        return None
+    formats = {_memory_format(t) for t in tensors}
+    if len(formats) != 1:
+        return None
+    shape = aten.cat.default(_meta(list(tensors)), *args[1:]).shape
+    out = mode.empty(shape, tensors[0].dtype, tensors[0].device, formats.pop(), side)
+    return lambda: aten.cat.out(*args, out=out)
+
+
+HANDLERS = {aten.convolution.default: _convolution, aten._batch_norm_with_update.default: _batch_norm,
+            aten.max_pool2d_with_indices.default: _max_pool, aten.avg_pool2d.default: _avg_pool,
+            aten.cat.default: _cat}
+
+
+def install() -> None:
+    """Patch :class:`concur.streams.StreamRuntime` so that each plan's forward runs under :class:`CallerOutputs`."""
+    from concur import streams
+
+    fork, join, abort = streams.StreamRuntime.fork, streams.StreamRuntime.join, streams.StreamRuntime.abort
+
+    def forked(self: Any, *inputs: Any) -> None:
+        fork(self, *inputs)
+        if self.active and torch.is_grad_enabled():
+            self._probe_mode = CallerOutputs(self._streams[0])
+            self._probe_mode.__enter__()
+
+    def leave(self: Any) -> None:
+        mode = getattr(self, "_probe_mode", None)
+        if mode is not None:
+            self._probe_mode = None
+            mode.__exit__(None, None, None)
+
+    def joined(self: Any, *outputs: Any) -> None:
+        leave(self)
+        join(self, *outputs)
+
+    def aborted(self: Any) -> None:
+        leave(self)
+        abort(self)
+
+    streams.StreamRuntime.fork, streams.StreamRuntime.join = forked, joined
+    streams.StreamRuntime.abort = aborted
