@@ -6,7 +6,7 @@ fits: the activations a side stream's forward makes are freed by the backward
 into blocks that only that stream may reuse (the caching allocator keys its
 free blocks by stream), while the caller's stream needs new memory. This probe
 makes the outputs of the forward's large ops on a side stream (convolutions on
-cuDNN, batch norm, max and average pooling, concatenation) on the caller's
+cuDNN, batch norm on cuDNN or not, max and average pooling, concatenation) on the caller's
 stream instead, through their ``out=`` variants, each marked as used by the
 side stream (``record_stream``: during a capture the allocator reuses it once
 the graph orders those uses first). A block the caller's stream hands out may
@@ -114,6 +114,25 @@ def _batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda
     return launch
 
 
+def _cudnn_batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    x = args[0]
+    if kwargs or not x.is_cuda:
+        return None
+    out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
+    small = [x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32),
+             x.new_empty(0, dtype=torch.uint8)]  # statistics and cuDNN's reserve: sized by the kernel, on the side stream
+    return lambda: aten.cudnn_batch_norm.out(*args, out0=out, out1=small[0], out2=small[1], out3=small[2])
+
+
+def _native_batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+    x = args[0]
+    if kwargs or not x.is_cuda:
+        return None
+    out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
+    small = [x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)]
+    return lambda: aten.native_batch_norm.out(*args, out=out, save_mean=small[0], save_invstd=small[1])
+
+
 def _max_pool(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
     x = args[0]
     if kwargs or not x.is_cuda or x.dim() != 4:
@@ -147,6 +166,7 @@ def _cat(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream
 
 
 HANDLERS = {aten.convolution.default: _convolution, aten._batch_norm_with_update.default: _batch_norm,
+            aten.cudnn_batch_norm.default: _cudnn_batch_norm, aten.native_batch_norm.default: _native_batch_norm,
             aten.max_pool2d_with_indices.default: _max_pool, aten.avg_pool2d.default: _avg_pool,
             aten.cat.default: _cat}
 

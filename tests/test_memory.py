@@ -9,6 +9,7 @@ model in place of the networks.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import subprocess
@@ -519,3 +520,20 @@ def test_a_concur_row_has_what_the_step_held_at_each_failed_attempt(monkeypatch)
     graph_runner.CudaGraphRunner.failed(runner)
     graph_runner.CudaGraphRunner.failed(runner)
     assert row["held_at_failures"] == [{"pool0.1 stream0": [10.0, 2.0]}] * 2 and given_back == [runner, runner]
+
+
+def test_the_caller_outputs_probe_runs_only_where_asked_and_the_row_says_so(cpu_child, monkeypatch):
+    """CONCUR_PROBE_CALLER_OUTPUTS=1 patches the plan's stream runtime in a concur child and its row counts what the
+    probe moved (nothing on the CPU: no side stream); without it, neither."""
+    from concur import streams
+    from experiments import caller_outputs
+
+    for name in ("fork", "join", "abort"):  # the probe patches them for the process: restored after the test
+        monkeypatch.setattr(streams.StreamRuntime, name, getattr(streams.StreamRuntime, name))
+    fork = streams.StreamRuntime.fork
+    row = memory.child(_payload("concur", "concur", None))
+    assert "caller_outputs" not in row and streams.StreamRuntime.fork is fork
+    monkeypatch.setenv(caller_outputs.ENV, "1")
+    row = memory.child(_payload("concur", "concur", None))
+    assert row["outcome"] != "error" and row["caller_outputs"] == {} and streams.StreamRuntime.fork is not fork
+    assert len(row["losses"]) == 2 and all(math.isfinite(loss) for loss in row["losses"])
