@@ -6,7 +6,7 @@ fits: the activations a side stream's forward makes are freed by the backward
 into blocks that only that stream may reuse (the caching allocator keys its
 free blocks by stream), while the caller's stream needs new memory. This probe
 makes the outputs of the forward's large ops on a side stream (convolutions on
-cuDNN, batch norm on cuDNN or not, max and average pooling, concatenation) on the caller's
+cuDNN, batch norm, max and average pooling, concatenation) on the caller's
 stream instead, through their ``out=`` variants, each marked as used by the
 side stream (``record_stream``: during a capture the allocator reuses it once
 the graph orders those uses first). A block the caller's stream hands out may
@@ -14,13 +14,26 @@ have been freed there by work still queued, so before each such output the
 side stream waits for the caller's stream: correct, at the price of an order
 the plan did not ask for.
 
-Enabled in ``experiments/memory.py``'s concur children by ``CONCUR_PROBE_CALLER_OUTPUTS=1`` (the rows say
-``caller_outputs``); :func:`install` patches the plan's stream runtime for the process. Not part of concur.
+That form (``outputs``) leaves the backward as it was: each node's backward
+runs on the stream of its forward, and a side stream's gradients and
+workspaces still come from its own blocks. The second form
+(``backward-on-caller``) keeps torch's current stream the caller's through the
+forward and launches each op on its side stream from below autograd, so
+autograd records the caller's stream for every node: the forward runs its
+branches side by side, the whole backward on the caller's stream, from one
+free list.
+
+Enabled in ``experiments/memory.py``'s concur children by ``CONCUR_PROBE_CALLER_OUTPUTS`` (``1`` or
+``outputs``, or ``backward-on-caller``; the rows say ``caller_outputs``, what was moved and launched);
+:func:`install` patches the plan's stream runtime for the process. Not part of concur.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
+import os
 from typing import Any, Callable
 
 import torch
@@ -45,11 +58,18 @@ def _meta(x: Any) -> Any:
 
 
 class CallerOutputs(TorchDispatchMode):
-    """While a side stream is current, the handled ops' outputs come from the caller's stream."""
+    """While a side stream is current, the handled ops' outputs come from the caller's stream.
+
+    With ``launch`` set (``backward-on-caller``), torch's current stream stays
+    the caller's through the forward and every op is launched on ``launch``
+    here, below autograd: autograd then records the caller's stream for every
+    node, so the whole backward runs there, its allocations in one free list.
+    """
 
     def __init__(self, caller: torch.cuda.Stream):
         super().__init__()
         self.caller = caller
+        self.launch: torch.cuda.Stream | None = None  # backward-on-caller: the stream the plan's ops go on
 
     def empty(self, like_shape: torch.Size, dtype: torch.dtype, device: torch.device,
               fmt: torch.memory_format, side: torch.cuda.Stream) -> torch.Tensor:
@@ -62,19 +82,23 @@ class CallerOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         handler = HANDLERS.get(func)
-        side = torch.cuda.current_stream()
-        if handler is None or side == self.caller:
+        side = self.launch if self.launch is not None else torch.cuda.current_stream()
+        if side == self.caller:
             return func(*args, **kwargs)
         launch = None
-        try:
-            launch = handler(self, args, kwargs, side)  # checks and allocations only; the launch is returned
-        except Exception:  # noqa: BLE001 - a probe: any doubt, the op as it is
-            launch = None
+        if handler is not None:
+            try:
+                launch = handler(self, args, kwargs, side)  # checks and allocations only; the launch is returned
+            except Exception:  # noqa: BLE001 - a probe: any doubt, the op as it is
+                launch = None
+            COUNTS[str(func) if launch is not None else "kept " + str(func)] += 1
         if launch is None:
-            COUNTS["kept " + str(func)] += 1
-            return func(*args, **kwargs)
-        COUNTS[str(func)] += 1
-        return launch()
+            launch = functools.partial(func, *args, **kwargs)
+        if self.launch is None:
+            return launch()
+        COUNTS["launched on a side stream"] += 1
+        with torch.cuda.stream(side):
+            return launch()
 
 
 def _convolution(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
@@ -89,10 +113,10 @@ def _convolution(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cud
     shape = aten.convolution.default(_meta(x), _meta(w), None, stride, padding, dilation, False, output_padding,
                                      groups).shape
     out = mode.empty(shape, x.dtype, x.device, fmt, side)
-    xc, wc = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
     flags = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32)
 
     def launch() -> torch.Tensor:
+        xc, wc = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)  # on the launching stream
         aten.cudnn_convolution.out(xc, wc, padding, stride, dilation, groups, *flags, out=out)
         if bias is not None:
             out.add_(bias.reshape(1, -1, 1, 1))
@@ -120,7 +144,7 @@ def _cudnn_batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torc
         return None
     out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
     small = [x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32),
-             x.new_empty(0, dtype=torch.uint8)]  # statistics and cuDNN's reserve: sized by the kernel, on the side stream
+             x.new_empty(0, dtype=torch.uint8)]  # statistics and cuDNN's reserve: the kernel sizes them
     return lambda: aten.cudnn_batch_norm.out(*args, out0=out, out1=small[0], out2=small[1], out3=small[2])
 
 
@@ -171,11 +195,30 @@ HANDLERS = {aten.convolution.default: _convolution, aten._batch_norm_with_update
             aten.cat.default: _cat}
 
 
-def install() -> None:
-    """Patch :class:`concur.streams.StreamRuntime` so that each plan's forward runs under :class:`CallerOutputs`."""
+MODES = ("outputs", "backward-on-caller")  # the probe's two forms, by ENV's value: "1" is "outputs"
+
+
+def form_asked() -> str:
+    """The form :data:`ENV` asks for ("1" is "outputs")."""
+    value = os.environ.get(ENV, "")
+    return "outputs" if value == "1" else value
+
+
+def install(form: str = "outputs") -> None:
+    """Patch :class:`concur.streams.StreamRuntime` so that each plan's forward runs under :class:`CallerOutputs`;
+    with ``form="backward-on-caller"``, torch's current stream stays the caller's and the mode launches the ops."""
     from concur import streams
 
-    fork, join, abort = streams.StreamRuntime.fork, streams.StreamRuntime.join, streams.StreamRuntime.abort
+    if form not in MODES:
+        raise ValueError(f"form must be one of {MODES}, got {form!r}")
+    runtime = streams.StreamRuntime
+    names = ("fork", "join", "abort", "switch", "on_weight_grad_stream")
+    originals = runtime.__dict__.get("_probe_originals") or {name: runtime.__dict__[name] for name in names}
+    for name, original in originals.items():  # installed again (another form): from the runtime's own methods
+        setattr(runtime, name, original)
+    runtime._probe_originals = originals
+    fork, join, abort, switch = runtime.fork, runtime.join, runtime.abort, runtime.switch
+    weight_grad_stream = runtime.on_weight_grad_stream
 
     def forked(self: Any, *inputs: Any) -> None:
         fork(self, *inputs)
@@ -197,5 +240,21 @@ def install() -> None:
         leave(self)
         abort(self)
 
-    streams.StreamRuntime.fork, streams.StreamRuntime.join = forked, joined
-    streams.StreamRuntime.abort = aborted
+    def switched(self: Any, index: int) -> None:
+        mode = getattr(self, "_probe_mode", None)
+        if mode is None:
+            switch(self, index)
+            return
+        self._current = index  # torch's current stream stays the caller's: autograd records it
+        mode.launch = self._streams[index]
+
+    @contextlib.contextmanager
+    def on_weight_grad_stream(self: Any) -> Any:
+        with weight_grad_stream(self):
+            yield
+        if getattr(self, "_probe_mode", None) is not None:
+            torch.cuda.set_stream(self._streams[0])
+
+    runtime.fork, runtime.join, runtime.abort = forked, joined, aborted
+    if form == "backward-on-caller":
+        runtime.switch, runtime.on_weight_grad_stream = switched, on_weight_grad_stream

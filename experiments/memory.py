@@ -258,8 +258,8 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
     rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
     rungs.MEMORY_MODEL_FIRST = memory_model  # what its plans count of memory
-    if os.environ.get(caller_outputs.ENV) == "1":  # a probe (experiments/caller_outputs.py), not concur
-        caller_outputs.install()
+    if os.environ.get(caller_outputs.ENV):  # a probe (experiments/caller_outputs.py), not concur
+        caller_outputs.install(caller_outputs.form_asked())
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
@@ -359,8 +359,8 @@ def _train(payload: dict, row: dict) -> None:
                peak_reserved_mb=max(setup_peaks[1], steady[1]) / MB)
     if payload["who"] == "concur":
         row.update(_streams_kept(step))
-        if os.environ.get(caller_outputs.ENV) == "1":
-            row["caller_outputs"] = dict(caller_outputs.COUNTS)
+        if os.environ.get(caller_outputs.ENV):
+            row["caller_outputs"] = dict(caller_outputs.COUNTS, form=caller_outputs.form_asked())
     row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
     if payload.get("kernels"):
         row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
