@@ -25,7 +25,8 @@ free list.
 
 Enabled in ``experiments/memory.py``'s concur children by ``CONCUR_PROBE_CALLER_OUTPUTS`` (``1`` or
 ``outputs``, or ``backward-on-caller``; the rows say ``caller_outputs``, what was moved and launched);
-:func:`install` patches the plan's stream runtime for the process. Not part of concur.
+:func:`install` patches the plan's stream runtime for the process. Not part of concur: made part of it, its
+private torch names (the dispatch mode, ``torch._C._select_conv_backend``) go behind ``concur._torch_compat``.
 """
 
 from __future__ import annotations
