@@ -71,12 +71,18 @@ class CallerOutputs(TorchDispatchMode):
         super().__init__()
         self.caller = caller
         self.launch: torch.cuda.Stream | None = None  # backward-on-caller: the stream the plan's ops go on
+        # what the caller's stream has been given since the fork (its ops, its waits), and how much of it each side
+        # stream has waited for: a side stream already behind everything queued there needs no further wait
+        self.issued = 0
+        self.waited: dict = {}
 
     def empty(self, like_shape: torch.Size, dtype: torch.dtype, device: torch.device,
               fmt: torch.memory_format, side: torch.cuda.Stream) -> torch.Tensor:
         with torch.cuda.stream(self.caller):
             t = torch.empty(like_shape, dtype=dtype, device=device, memory_format=fmt)
-        side.wait_stream(self.caller)  # the block may have been freed on the caller's stream by work still queued
+        if self.waited.get(side, 0) != self.issued:  # the block may be one the caller's queued work frees
+            side.wait_stream(self.caller)
+            self.waited[side] = self.issued
         t.record_stream(side)
         return t
 
@@ -85,6 +91,7 @@ class CallerOutputs(TorchDispatchMode):
         handler = HANDLERS.get(func)
         side = self.launch if self.launch is not None else torch.cuda.current_stream()
         if side == self.caller:
+            self.issued += 1
             return func(*args, **kwargs)
         launch = None
         if handler is not None:
@@ -213,12 +220,12 @@ def install(form: str = "outputs") -> None:
     if form not in MODES:
         raise ValueError(f"form must be one of {MODES}, got {form!r}")
     runtime = streams.StreamRuntime
-    names = ("fork", "join", "abort", "switch", "on_weight_grad_stream")
+    names = ("fork", "join", "abort", "switch", "wait", "on_weight_grad_stream")
     originals = runtime.__dict__.get("_probe_originals") or {name: runtime.__dict__[name] for name in names}
     for name, original in originals.items():  # installed again (another form): from the runtime's own methods
         setattr(runtime, name, original)
     runtime._probe_originals = originals
-    fork, join, abort, switch = runtime.fork, runtime.join, runtime.abort, runtime.switch
+    fork, join, abort, switch, wait = runtime.fork, runtime.join, runtime.abort, runtime.switch, runtime.wait
     weight_grad_stream = runtime.on_weight_grad_stream
 
     def forked(self: Any, *inputs: Any) -> None:
@@ -249,6 +256,12 @@ def install(form: str = "outputs") -> None:
         self._current = index  # torch's current stream stays the caller's: autograd records it
         mode.launch = self._streams[index]
 
+    def waited(self: Any, event: int) -> None:
+        wait(self, event)
+        mode = getattr(self, "_probe_mode", None)
+        if mode is not None and self._current == 0:  # the caller's stream now also follows that event
+            mode.issued += 1
+
     @contextlib.contextmanager
     def on_weight_grad_stream(self: Any) -> Any:
         with weight_grad_stream(self):
@@ -256,6 +269,6 @@ def install(form: str = "outputs") -> None:
         if getattr(self, "_probe_mode", None) is not None:
             torch.cuda.set_stream(self._streams[0])
 
-    runtime.fork, runtime.join, runtime.abort = forked, joined, aborted
+    runtime.fork, runtime.join, runtime.abort, runtime.wait = forked, joined, aborted, waited
     if form == "backward-on-caller":
         runtime.switch, runtime.on_weight_grad_stream = switched, on_weight_grad_stream

@@ -54,3 +54,29 @@ def test_on_the_callers_stream_the_mode_does_nothing(monkeypatch):
     with caller_outputs.CallerOutputs(caller):
         torch.ones(3) + 1
     assert not caller_outputs.COUNTS
+
+
+class Recorder(FakeStream):
+    def __init__(self, name: str, log: list):
+        super().__init__(name)
+        self.log = log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def test_a_side_stream_waits_for_the_callers_only_where_the_caller_was_given_work_since(monkeypatch):
+    """An output made on the caller's stream may take a block the caller's queued work frees: the side stream waits
+    for the caller's stream first, unless it already waited after the caller's last op."""
+    log: list = []
+    caller, side = Recorder("caller", log), Recorder("side", log)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(f"kept for {s.name}"))
+    mode = caller_outputs.CallerOutputs(caller)
+    make = lambda: mode.empty((2,), torch.float32, torch.device("cpu"), torch.contiguous_format, side)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: caller)
+    make()  # nothing queued on the caller's stream since the fork
+    with mode:
+        torch.ones(2).add_(1)  # the caller's stream is given work
+    make(), make()
+    assert log == ["kept for side", "side waits for caller", "kept for side", "kept for side"]

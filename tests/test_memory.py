@@ -528,7 +528,7 @@ def test_the_caller_outputs_probe_runs_only_where_asked_and_the_row_says_so(cpu_
     from concur import streams
     from experiments import caller_outputs
 
-    for name in ("fork", "join", "abort", "switch", "on_weight_grad_stream"):  # patched for the process: restored
+    for name in ("fork", "join", "abort", "switch", "wait", "on_weight_grad_stream"):  # patched: restored after
         monkeypatch.setattr(streams.StreamRuntime, name, getattr(streams.StreamRuntime, name))
     monkeypatch.delattr(streams.StreamRuntime, "_probe_originals", raising=False)
     fork, switch = streams.StreamRuntime.fork, streams.StreamRuntime.switch
