@@ -22,7 +22,9 @@ indices from the start (``concur_lean_pools``,
 ``concur.training.rungs.LEAN_POOLS_FIRST``; by default only the plans after
 a capture that ran out of memory do); ``--training-memory`` adds the unfused
 defaults with plans made for training's memory (``concur_training_memory``,
-``concur.training.rungs.MEMORY_MODEL_FIRST``). A run's outcome is
+``concur.training.rungs.MEMORY_MODEL_FIRST``); ``CONCUR_PROBE_CALLER_OUTPUTS``
+in the environment runs every concur child with the probe of
+``experiments/caller_outputs.py`` (its rows' ``caller_outputs``). A run's outcome is
 ``fit`` (set up and trained its steps), ``fallback`` (it ran, but concur
 warned that it dropped streams or ran eagerly; the warnings are in the row)
 or ``error`` (the exception's type and first line, e.g. OutOfMemoryError;
