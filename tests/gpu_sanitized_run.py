@@ -1,10 +1,11 @@
 """Run concurrent forward+backward steps under PyTorch's CUDA sanitizer (CSAN); exit 0 if no race.
 
 Usage: python -m tests.gpu_sanitized_run [--plant-missing-wait] [--model googlenet|inception_v3|resnet50] [--compile]
-                                        [--no-buffer-reuse] [--lean-pools]
+                                        [--no-buffer-reuse] [--lean-pools] [--caller-outputs FORM]
 ``--compile`` runs the fused path (torch.compile with the concur backend) without a graph;
 ``--no-buffer-reuse`` compiles it with ``buffer_reuse=False``; ``--lean-pools`` plans the unfused path's
-max-pooling layers to save no indices (``concur.training.rungs.LEAN_POOLS_FIRST``).
+max-pooling layers to save no indices (``concur.training.rungs.LEAN_POOLS_FIRST``); ``--caller-outputs FORM`` runs
+the unfused path under experiments/caller_outputs.py's probe (``outputs`` or ``backward-on-caller``).
 CSAN cannot be switched off once on, so the GPU tests run this in a subprocess.
 """
 
@@ -24,6 +25,9 @@ from concur.training import rungs
 os.environ.setdefault("CONCUR_MEASURE", "0")
 
 rungs.LEAN_POOLS_FIRST = "--lean-pools" in sys.argv
+if "--caller-outputs" in sys.argv:
+    from experiments import caller_outputs
+    caller_outputs.install(sys.argv[sys.argv.index("--caller-outputs") + 1])
 if "--plant-missing-wait" in sys.argv:
     StreamRuntime.wait = lambda self, event: None  # the planted bug CSAN must report
 
@@ -48,4 +52,6 @@ with cuda_sanitizer():
     streams = [g.num_streams for b in step.backends.values() for g in b.graphs] if step.compile \
         else step.module.schedule.num_streams
     pools = 0 if step.compile else step.module.plan.pool_recomputes
-    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}, pools saving no indices {pools}")
+    moved = dict(caller_outputs.COUNTS) if "--caller-outputs" in sys.argv else {}
+    print(f"sanitized run finished, loss {loss.item():.4f}, streams {streams}, pools saving no indices {pools}"
+          + (f", caller outputs {moved}" if moved else ""))
