@@ -32,6 +32,11 @@
 #              OUT/memdiff/memdiff.jsonl, OUT/memdiff/summary.txt
 #   wrappers   golden wrappers + scheduler oracle (experiments/capture_wrappers.py) for GoogLeNet, Inception-v3
 #              and ResNet-50 in fp32 and bf16, 6 processes side by side; packed to OUT/wrappers/wrappers_cuda.tgz
+#   probe      experiments/caller_outputs.py's probe in each of PROBE_FORMS (default "backward-on-caller outputs"):
+#              first tests/gpu_sanitized_run.py under it for GoogLeNet and Inception-v3, side by side; then, alone,
+#              python -m experiments.memory with CONCUR_PROBE_CALLER_OUTPUTS set, --limit each of PROBE_LIMITS
+#              (default 1.05), PROBE_ARGS (default: the unfused GoogLeNet and Inception-v3 b64, with --streams 2);
+#              OUT/probe/summary.txt, OUT/probe/FORM_LIMIT/memory.jsonl
 # DEADLINE (default 585 s) bounds the steps that run side by side, so what finished is written before the call's limit.
 # Inductor's cache lives in the ignored .cache/ so a later call on the same warm machine reuses it.
 set -uo pipefail
@@ -40,8 +45,8 @@ if [ "${1:-}" = --out ]; then [ -n "${2:-}" ] || usage; OUT=$2; shift 2; fi
 [ -n "${OUT:-}" ] || { echo "name the output folder: set OUT or pass --out DIR" >&2; usage; }
 [ $# -gt 0 ] || usage
 for step in "$@"; do  # every step known before any starts
-  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|host|memdiff|wrappers) ;;
-    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup host memdiff wrappers" >&2
+  case "$step" in tests|sanitizer|speed|memory|stress|zoo|ddp|setup|host|memdiff|wrappers|probe) ;;
+    *) echo "unknown step '$step': tests sanitizer speed memory stress zoo ddp setup host memdiff wrappers probe" >&2
        exit 2 ;; esac
 done
 mkdir -p "$OUT"
@@ -90,6 +95,21 @@ for step in "$@"; do
            done
            end_parallel "$dir" "$results" ;;
     speed) DEADLINE=$(( ${DEADLINE:-585} - SECONDS )) OUT=$dir bash "$(dirname "$0")/recipes.sh" "$dir/run" ${SPEED_PARTS:-a} ;;
+    probe) forms=${PROBE_FORMS:-backward-on-caller outputs}
+           begin_parallel "$dir"
+           for form in $forms; do
+             for m in googlenet inception_v3; do
+               t "sanitizer_${m}_$form" python3 -m tests.gpu_sanitized_run --model "$m" --caller-outputs "$form"
+             done
+           done
+           end_parallel "$dir" "sanitized run finished\|Error"
+           for form in $forms; do  # alone: these rows time
+             for limit in ${PROBE_LIMITS:-1.05}; do
+               CONCUR_PROBE_CALLER_OUTPUTS=$form python3 -m experiments.memory --out "$dir/${form}_$limit" \
+                 --limit "$limit" ${PROBE_ARGS:---paths unfused --networks googlenet inception_v3 --batches 64 \
+                 --without-streams1 --streams 2 --timeout 100} 2>&1 | tee "$dir/${form}_$limit.log" | grep "|" | tail -4
+             done
+           done ;;
     memory) python3 -m experiments.memory --out "$dir" ${MEMORY_JOBS:+--jobs $MEMORY_JOBS} ${MEMORY_ARGS:-} 2>&1 \
               | tee "$dir/memory.log" | grep -v "Warning" | tail -30 ;;
     stress) python3 -m experiments.capture_stress --out "$dir" --deadline $(( ${DEADLINE:-585} - SECONDS - 20 )) \

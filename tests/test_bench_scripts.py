@@ -24,9 +24,10 @@ def run_script(tmp_path: Path, script: str, *args: str, run_dir: bool = True, ou
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "python3.log"
-    # where CONCUR_ENV_LOG is set, each call also logs its CONCUR_MEASURE ("-" where unset)
+    # where CONCUR_ENV_LOG is set, each call also logs its CONCUR_MEASURE and CONCUR_PROBE_CALLER_OUTPUTS ("-": unset)
     (bin_dir / "python3").write_text(f'#!/usr/bin/env bash\necho "$*" >> "{log}"\n'
-                                     '[ -n "$CONCUR_ENV_LOG" ] && echo "${CONCUR_MEASURE:--}" >> "$CONCUR_ENV_LOG"\n'
+                                     '[ -n "$CONCUR_ENV_LOG" ] && echo "${CONCUR_MEASURE:--} '
+                                     '${CONCUR_PROBE_CALLER_OUTPUTS:--}" >> "$CONCUR_ENV_LOG"\n'
                                      'exit 0\n')
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho fake\n")
     for f in bin_dir.iterdir():
@@ -147,3 +148,21 @@ def test_gpu_check_memdiff_step_runs_four_sides_of_each_spec_each_into_its_own_f
     assert len(set(files)) == 8  # side by side, so no two processes append to one file
     # the timing-off side alone runs with CONCUR_MEASURE=0
     assert env_log.read_text().split().count("0") == 2
+
+
+def test_gpu_check_probe_step_runs_the_sanitizer_then_the_memory_benchmark_under_each_form(tmp_path):
+    env_log = tmp_path / "env.log"
+    rc, calls, _ = run_script(tmp_path, "gpu_check.sh", "probe", run_dir=False,
+                              extra_env={"PROBE_LIMITS": "1.05 20", "CONCUR_ENV_LOG": str(env_log)})
+    assert rc == 0
+    sanitized = [c for c in calls if c.startswith("-m tests.gpu_sanitized_run")]
+    assert len(sanitized) == 4 and {c.split("--caller-outputs ")[1] for c in sanitized} == {"backward-on-caller",
+                                                                                           "outputs"}
+    runs = [c for c in calls if c.startswith("-m experiments.memory")]
+    out = tmp_path / "out" / "probe"
+    assert [c.split("--out ")[1].split()[0] for c in runs] == [
+        str(out / f"{form}_{limit}") for form in ("backward-on-caller", "outputs") for limit in ("1.05", "20")]
+    assert all("--streams 2" in c and "--paths unfused" in c for c in runs)
+    forms = [line.split()[1] for line in env_log.read_text().splitlines()]
+    assert forms[-4:] == ["backward-on-caller", "backward-on-caller", "outputs", "outputs"]  # memory.py's probe switch
+    assert forms[-8:-4] == ["-"] * 4  # the sanitized runs take it as an argument
