@@ -138,7 +138,7 @@ def _batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda
         return None
     metas = aten._batch_norm_with_update.default(*_meta(args))
     out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
-    stats = [torch.empty(m.shape, dtype=m.dtype, device=x.device) for m in metas[1:]]  # small: on the side stream
+    stats = [torch.empty(m.shape, dtype=m.dtype, device=x.device) for m in metas[1:]]  # small: the current stream
 
     def launch() -> tuple:
         return aten._batch_norm_with_update.out(*args, out=out, save_mean=stats[0], save_invstd=stats[1],
