@@ -140,9 +140,7 @@ class CudaGraphRunner:
         back at ``empty_cache`` only once none of its graphs is alive."""
         if self._old_pool_held:
             self._old_pool_held = False
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            _give_back_unreferenced()
 
     def can_time(self, device: torch.device) -> bool:
         """Whether :meth:`time_programs` can time on ``device`` now (:func:`concur.dag.measure.can_time`)."""
@@ -170,9 +168,15 @@ class CudaGraphRunner:
         back to the device, so the next, smaller attempt has the room.
         """
         settle_failed_captures()
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _give_back_unreferenced()
+
+
+def _give_back_unreferenced() -> None:
+    """Free what only reference cycles still hold (a full collection), then give every cached block that no live
+    tensor or graph uses back to the device, once the queued work is done."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 class EventTiming:
