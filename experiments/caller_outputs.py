@@ -146,23 +146,17 @@ def _batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda
     return launch
 
 
-def _cudnn_batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
-    x = args[0]
-    if kwargs or not x.is_cuda:
-        return None
-    out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
-    small = [x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32),
-             x.new_empty(0, dtype=torch.uint8)]  # statistics and cuDNN's reserve: the kernel sizes them
-    return lambda: aten.cudnn_batch_norm.out(*args, out0=out, out1=small[0], out2=small[1], out3=small[2])
-
-
-def _native_batch_norm(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
-    x = args[0]
-    if kwargs or not x.is_cuda:
-        return None
-    out = mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side)
-    small = [x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)]
-    return lambda: aten.native_batch_norm.out(*args, out=out, save_mean=small[0], save_invstd=small[1])
+def _batch_norm_out(out_op: Any, names: tuple[str, ...], small: tuple[torch.dtype, ...]) -> Callable:
+    """A handler for a batch norm whose ``out_op`` takes its output, then tensors the kernel sizes itself
+    (statistics, cuDNN's reserve: small, made empty on the current stream), by ``names``."""
+    def handler(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
+        x = args[0]
+        if kwargs or not x.is_cuda:
+            return None
+        outs = [mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side),
+                *(x.new_empty(0, dtype=dtype) for dtype in small)]
+        return lambda: out_op(*args, **dict(zip(names, outs)))
+    return handler
 
 
 def _max_pool(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream) -> Callable | None:
@@ -198,7 +192,11 @@ def _cat(mode: CallerOutputs, args: tuple, kwargs: dict, side: torch.cuda.Stream
 
 
 HANDLERS = {aten.convolution.default: _convolution, aten._batch_norm_with_update.default: _batch_norm,
-            aten.cudnn_batch_norm.default: _cudnn_batch_norm, aten.native_batch_norm.default: _native_batch_norm,
+            aten.cudnn_batch_norm.default: _batch_norm_out(aten.cudnn_batch_norm.out, ("out0", "out1", "out2", "out3"),
+                                                           (torch.float32, torch.float32, torch.uint8)),
+            aten.native_batch_norm.default: _batch_norm_out(aten.native_batch_norm.out,
+                                                            ("out", "save_mean", "save_invstd"),
+                                                            (torch.float32, torch.float32)),
             aten.max_pool2d_with_indices.default: _max_pool, aten.avg_pool2d.default: _avg_pool,
             aten.cat.default: _cat}
 
