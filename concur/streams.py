@@ -95,7 +95,7 @@ class StreamRuntime:
     def fork(self, *inputs: Any) -> None:
         """Start a call: make every side stream wait for the work already queued by the caller."""
         device = cuda_device_in(inputs)
-        self.active = device is not None and self.num_streams > 1
+        self.active = device is not None and (self.num_streams > 1 or self.has_weight_grad_stream)
         if not self.active:
             return
         self._bind(device)

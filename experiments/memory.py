@@ -62,7 +62,13 @@ forward and its backward graphs run (``forward_streams``,
 how many allocations ran out of memory in setup (``setup_out_of_memory``,
 the allocator's count: those raised and those an operation recovered from,
 as cuDNN does by keeping a convolution algorithm with a smaller workspace
-for the rest of the process). ``--kernels N``
+for the rest of the process); ``--oom-trace`` adds where each came from
+(``oom_trace``: the setup call, the size, the innermost frames);
+``--unsplit-weight-grads`` runs every concur side with each layer's weight
+gradient on the layer's own stream (``split_weight_grads=False``);
+``--serial-weight-grads`` runs every concur side with its one-stream plans
+splitting weight gradients too (``concur.fx.plan.SERIAL_WEIGHT_GRADS``: the
+model's own forward, the weight gradients on their stream). ``--kernels N``
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
@@ -86,6 +92,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +117,7 @@ MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past
 CHILD_TIMEOUT_S = 3600.0
 PROFILED_STEPS = 5  # steps profiled for --kernels, after the timed ones
 MB = 2**20
+OWN_FILES = re.compile(r"[/\\](concur|experiments|torchvision|timm)[/\\]")  # frames an out-of-memory trace keeps
 FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
                       re.IGNORECASE)
 
@@ -253,8 +261,10 @@ def _record_failures(row: dict) -> None:
 
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
                  streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False,
-                 memory_model: str = "forward") -> Any:
+                 memory_model: str = "forward", split_weight_grads: bool | None = None,
+                 serial_weight_grads: bool = False) -> Any:
     import concur  # here only: the recipe's processes must not load it
+    from concur.fx import plan
     from concur.training import rungs, trial as trial_policy
 
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
@@ -263,6 +273,9 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
     if os.environ.get(caller_outputs.ENV):  # a probe (experiments/caller_outputs.py), not concur
         caller_outputs.install(caller_outputs.form_asked())
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
+    plan.SERIAL_WEIGHT_GRADS = serial_weight_grads  # whether its one-stream plans split weight gradients too
+    if split_weight_grads is not None:
+        chosen["split_weight_grads"] = split_weight_grads
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
 
@@ -335,16 +348,22 @@ def _train(payload: dict, row: dict) -> None:
     else:
         _record_failures(row)
         step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"],
-                            payload["lean_pools"], payload["memory_model"])
+                            payload["lean_pools"], payload["memory_model"],
+                            False if payload.get("unsplit_weight_grads") else None,
+                            bool(payload.get("serial_weight_grads")))
+    calls = [0]  # the setup calls made, read by the out-of-memory trace
+    if payload.get("oom_trace"):
+        _trace_out_of_memory(row, calls)
     step(*batch)
-    calls = 1
+    calls[0] = 1
     # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
-    while getattr(step, "deciding", False) and calls < MAX_SETUP_CALLS:
+    while getattr(step, "deciding", False) and calls[0] < MAX_SETUP_CALLS:
         step(*batch)
-        calls += 1
+        calls[0] += 1
     row["still_deciding"] = bool(getattr(step, "deciding", False))
     # where the trial ended, this call captures the program kept: setup too, not a steady step
     step(*batch)
+    calls = calls[0]
     row["setup_calls"] = calls + 1
     row["setup_out_of_memory"] = out_of_memory_count()
     setup_peaks = _peaks()
@@ -368,6 +387,24 @@ def _train(payload: dict, row: dict) -> None:
         row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
 
 
+OOM_FRAMES = 8  # the innermost frames of the project's own files, per allocation that ran out
+
+
+def _trace_out_of_memory(row: dict, calls: list[int]) -> None:
+    """Record in ``row["oom_trace"]`` every allocation that runs out of memory from now on, raised or recovered
+    from: the setup call it came in (0: the first), its MiB, and where (the innermost frames of concur's, the
+    experiments' and the networks' files; aten's own calls, a cuDNN workspace say, have no frame of theirs)."""
+    trace = row.setdefault("oom_trace", [])
+
+    def observe(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        frames = [f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                  for f in traceback.extract_stack()[:-1] if OWN_FILES.search(f.filename)]
+        trace.append(dict(call=calls[0], mib=alloc / MB, allocated_mib=device_allocated / MB,
+                          stack=frames[-OOM_FRAMES:]))
+
+    torch._C._cuda_attach_out_of_memory_observer(observe)
+
+
 def out_of_memory_count() -> int:
     """The allocations this process's allocator could not serve so far: those raised, and those an operation
     recovered from (cuDNN then runs, and keeps, a convolution algorithm with a smaller workspace)."""
@@ -381,6 +418,8 @@ def base_row(payload: dict) -> dict:
                 trial=payload["trial"] if payload["who"] == "concur" else None,
                 lean_pools=payload["lean_pools"] if payload["who"] == "concur" else None,
                 memory_model=payload["memory_model"] if payload["who"] == "concur" else None,
+                unsplit_weight_grads=bool(payload.get("unsplit_weight_grads")) if payload["who"] == "concur" else None,
+                serial_weight_grads=bool(payload.get("serial_weight_grads")) if payload["who"] == "concur" else None,
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
@@ -464,7 +503,10 @@ def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: 
     return dict(network=config.network, batch=config.batch, path=config.path, side=side.name, who=side.who,
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
                 limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
-                trial=side.trial, lean_pools=side.lean_pools, memory_model=side.memory_model)
+                trial=side.trial, lean_pools=side.lean_pools, memory_model=side.memory_model,
+                oom_trace=getattr(args, "oom_trace", False),
+                unsplit_weight_grads=getattr(args, "unsplit_weight_grads", False),
+                serial_weight_grads=getattr(args, "serial_weight_grads", False))
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -586,6 +628,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a run of the defaults whose first plans save no max-pooling indices (concur_lean_pools)")
     ap.add_argument("--training-memory", action="store_true",
                     help="a run of the defaults whose plans are made for training's memory (concur_training_memory)")
+    ap.add_argument("--unsplit-weight-grads", action="store_true",
+                    help="every concur run with split_weight_grads=False (each layer's weight gradient on its stream)")
+    ap.add_argument("--serial-weight-grads", action="store_true",
+                    help="every concur run's one-stream plans split weight gradients too (concur.fx.plan."
+                         "SERIAL_WEIGHT_GRADS): a serial forward, the weight gradients on their own stream")
+    ap.add_argument("--oom-trace", action="store_true",
+                    help="record where each allocation that ran out of memory came from (rows' oom_trace)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

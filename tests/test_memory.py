@@ -255,6 +255,8 @@ def cpu_child(monkeypatch):
     monkeypatch.setattr(trial_policy, "SIDE_BY_SIDE", trial_policy.SIDE_BY_SIDE)
     monkeypatch.setattr(rungs, "LEAN_POOLS_FIRST", rungs.LEAN_POOLS_FIRST)
     monkeypatch.setattr(rungs, "MEMORY_MODEL_FIRST", rungs.MEMORY_MODEL_FIRST)
+    from concur.fx import plan
+    monkeypatch.setattr(plan, "SERIAL_WEIGHT_GRADS", plan.SERIAL_WEIGHT_GRADS)
     return monkeypatch
 
 
@@ -323,6 +325,58 @@ def test_a_concur_row_says_what_memory_its_plans_count_and_the_step_planned_so(c
     row = memory.child(_payload("concur", "concur", None, memory_model=model))
     assert row["memory_model"] == model and rungs.MEMORY_MODEL_FIRST == model and set(asked) == {model}
     assert memory.child(_payload("recipe", "recipe", None, memory_model=model))["memory_model"] is None
+
+
+@pytest.mark.parametrize("unsplit", [False, True])
+def test_unsplit_weight_grads_builds_every_concur_step_without_the_split_and_the_row_says_so(cpu_child, unsplit):
+    import concur
+
+    asked = []
+    train_step = concur.train_step
+    cpu_child.setattr(concur, "train_step", lambda *a, **kw: asked.append(kw) or train_step(*a, **kw))
+    row = memory.child(dict(_payload("concur", "concur", None), unsplit_weight_grads=unsplit))
+    assert row["outcome"] != "error" and row["unsplit_weight_grads"] is unsplit
+    assert [kw.get("split_weight_grads") for kw in asked] == [False if unsplit else None]
+    assert memory._payload(memory.Config("googlenet", 64, "unfused"), memory.Side("concur", "concur", None),
+                           memory.parse_args(["--out", "x", "--unsplit-weight-grads"]), None)["unsplit_weight_grads"]
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_serial_weight_grads_makes_one_stream_plans_split_and_the_row_says_so(cpu_child, serial):
+    from concur.fx import plan
+
+    row = memory.child(dict(_payload("concur_streams1", "concur", 1), serial_weight_grads=serial))
+    assert row["outcome"] != "error" and row["serial_weight_grads"] is serial and plan.SERIAL_WEIGHT_GRADS is serial
+    assert memory.child(_payload("recipe", "recipe", None))["serial_weight_grads"] is None
+
+
+def test_the_out_of_memory_trace_records_each_allocation_that_ran_out_with_its_call_and_frames(cpu_child):
+    """The allocator's out-of-memory observer (faked: the CPU has no allocator) reports an allocation in the
+    second setup call; the row has that call, the size and the innermost frames of the project's files."""
+    observers, calls = [], []
+    cpu_child.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append)
+    setup = memory.setup
+
+    def noting_setup(*a):
+        model, batch, loss_fn, optimizer = setup(*a)
+        forward = model.forward
+        calls.clear()
+
+        def observed(*inputs):
+            calls.append(1)
+            if len(calls) == 2:
+                observers[0](0, 3 * MB, 4000 * MB, 0)
+            return forward(*inputs)
+        model.forward = observed
+        return model, batch, loss_fn, optimizer
+    cpu_child.setattr(memory, "setup", noting_setup)
+    assert "oom_trace" not in memory.child(_payload("recipe", "recipe", None)) and not observers
+    row = memory.child(dict(_payload("recipe", "recipe", None), oom_trace=True))
+    assert len(observers) == 1 and len(row["oom_trace"]) == 1
+    traced = row["oom_trace"][0]
+    assert traced["call"] == 1 and traced["mib"] == 3 and traced["allocated_mib"] == 4000
+    assert traced["stack"][-1].startswith("experiments/peers.py") and "_train" in traced["stack"][-3]
+    assert not any(f.startswith("tests/") for f in traced["stack"])  # the test's own frames are no project file
 
 
 def test_a_timm_network_without_timm_is_an_error_row(cpu_child):

@@ -29,6 +29,26 @@ def test_a_serial_plan_stays_inactive_even_on_cuda_inputs():
     assert rt.active is False
 
 
+def test_a_serial_plan_with_a_weight_gradient_stream_is_active_on_cuda(fake_cuda):
+    """A one-stream plan that splits weight gradients (concur.fx.plan.SERIAL_WEIGHT_GRADS) has no side stream,
+    but its weight-gradient nodes must be recorded on their stream: the runtime is active for them."""
+    _, log, current = fake_cuda
+    rt = StreamRuntime(num_streams=1, num_events=0, weight_grad_stream=True)
+    rt._device, rt._side, rt._events = "cuda:0", [], []
+    rt._join_events, rt._weight_grad = [FakeEvent("j0", log)], FakeStream("w")
+    rt.fork("x")
+    assert rt.active
+    with rt.on_weight_grad_stream():
+        assert current[0].name == "w"
+    assert current[0].name == "caller"
+    rt.join("out")
+    assert current[0].name == "caller" and rt._streams[0].waited == []  # no side stream to wait for
+    serial = StreamRuntime(num_streams=1, num_events=0)
+    serial._device = "cuda:0"
+    serial.fork("x")
+    assert not serial.active  # without that stream a serial plan stays the model's own program
+
+
 class FakeStream:
     def __init__(self, name):
         self.name, self.waited = name, []

@@ -74,7 +74,8 @@ def optimized_pair(make, x, **kw):
     model = make()
     reference = copy.deepcopy(model)
     kw.setdefault("split_weight_grads", True)
-    return concur.optimize(model, (x,), streams=4, **kw), model, reference
+    kw.setdefault("streams", 4)
+    return concur.optimize(model, (x,), **kw), model, reference
 
 
 def test_branchy_conv_net_outputs_and_gradients_equal_the_original_in_float64():
@@ -122,6 +123,26 @@ def test_generated_graph_holds_one_split_node_per_layer_and_none_when_off_or_ser
     copied = copy.deepcopy(on)
     copied(x)
     assert copied.plan.weight_grad_splits == 14
+
+
+def test_a_serial_plan_splits_its_weight_gradients_only_where_asked(monkeypatch):
+    """concur.fx.plan.SERIAL_WEIGHT_GRADS: the one-stream plan keeps the model's own forward and records its
+    weight gradients apart (their stream on CUDA); the gradients are the original's."""
+    from concur.fx import plan as plan_module
+
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    assert concur.optimize(WideNet(branches=6).double(), (x,), streams=1,
+                           split_weight_grads=True).plan.weight_grad_splits == 0
+    monkeypatch.setattr(plan_module, "SERIAL_WEIGHT_GRADS", True)
+    optimized, model, reference = optimized_pair(lambda: WideNet(branches=6).double(), x, streams=1)
+    assert optimized.schedule.num_streams == 1 and optimized.plan.runtime.has_weight_grad_stream
+    assert optimized.plan.weight_grad_splits == split_nodes(optimized) == 14
+    outs = [optimized(x), reference(x)]
+    for out in outs:
+        weighted_sum(out).backward()
+    assert_close_rel(outs[0], outs[1], 1e-12, "output")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, 1e-12, name)
 
 
 def test_tensor_and_post_accumulate_grad_hooks_on_a_weight_fire_with_its_gradient():

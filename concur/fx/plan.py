@@ -198,6 +198,13 @@ def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str, device: torch.de
                                                       memory_budget=plan_budget(scheduled, device))
 
 
+# Whether a one-stream plan splits its weight gradients too: its forward the model's own serial program, its
+# weight gradients on the weight-gradient stream in backward. Off: under memory pressure, where the fallback
+# to one stream runs, that stream's cuDNN workspace is allocated at backward's peak and need not fit, and cuDNN
+# then keeps a slower algorithm for the process (`experiments/memory.py --serial-weight-grads` weighs it)
+SERIAL_WEIGHT_GRADS = False
+
+
 def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGraph, prologue: frozenset[str],
                   schedule: Schedule, split_weight_grads: bool = False, lean_pools: bool = False) -> Plan:
     """Return the verified plan running ``traced`` (analysed as ``dag``) in ``schedule``.
@@ -206,7 +213,8 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
     ``split_weight_grads`` (:mod:`concur.fx.weight_grads`) and, with
     ``lean_pools``, recomputes its max-pooling indices in backward instead of
     saving them (:mod:`concur.fx.pool_indices`); a one-stream plan stays the
-    model's own program.
+    model's own program, unless :data:`SERIAL_WEIGHT_GRADS` splits its
+    weight gradients too (off: measured not to fit where the streams do not).
 
     ``traced`` is not changed, so one trace gives several plans (the
     multi-stream one, and one stream to fall back to or to time against).
@@ -219,7 +227,7 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
     runtime_attr = f"_concur_runtime_{next(_plan_ids)}"
     graph = generate(traced.graph, schedule, runtime_attr, prologue)
     splits = split_weight_gradients(graph, model, runtime_attr) \
-        if split_weight_grads and schedule.num_streams > 1 else 0
+        if split_weight_grads and (schedule.num_streams > 1 or SERIAL_WEIGHT_GRADS) else 0
     pools = recompute_pool_indices(graph, model) if lean_pools and schedule.num_streams > 1 else 0
     problems += verify_generated(graph, dag, schedule.num_streams)
     if problems:
