@@ -23,6 +23,15 @@ autograd records the caller's stream for every node: the forward runs its
 branches side by side, the whole backward on the caller's stream, from one
 free list.
 
+Measured (RESULTS.md, "The next levers, probed"): the second form fits
+under 1.05x of the recipe on 4 streams, and the weight-gradient stream's
+cuDNN workspace does not. Under PyTorch's CUDA sanitizer both forms report
+races the sanitizer cannot rule out: an output allocated on the caller's
+stream (which it counts as a write there) and written on a side stream that
+waited for the caller's only where the caller was given work since, and
+``new_empty``'s read of its argument (no kernel); the first form on
+Inception-v3 stops inside torch there (an internal assert, then a crash).
+
 Enabled in ``experiments/memory.py``'s concur children by ``CONCUR_PROBE_CALLER_OUTPUTS`` (``1`` or
 ``outputs``, or ``backward-on-caller``; the rows say ``caller_outputs``, what was moved and launched);
 :func:`install` patches the plan's stream runtime for the process. Not part of concur: made part of it, its
