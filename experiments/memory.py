@@ -351,19 +351,19 @@ def _train(payload: dict, row: dict) -> None:
                             payload["lean_pools"], payload["memory_model"],
                             False if payload.get("unsplit_weight_grads") else None,
                             bool(payload.get("serial_weight_grads")))
-    calls = [0]  # the setup calls made, read by the out-of-memory trace
+    made = [0]  # setup calls made so far, read by the out-of-memory trace
     if payload.get("oom_trace"):
-        _trace_out_of_memory(row, calls)
+        _trace_out_of_memory(row, made)
     step(*batch)
-    calls[0] = 1
+    made[0] = 1
     # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
-    while getattr(step, "deciding", False) and calls[0] < MAX_SETUP_CALLS:
+    while getattr(step, "deciding", False) and made[0] < MAX_SETUP_CALLS:
         step(*batch)
-        calls[0] += 1
+        made[0] += 1
     row["still_deciding"] = bool(getattr(step, "deciding", False))
     # where the trial ended, this call captures the program kept: setup too, not a steady step
     step(*batch)
-    calls = calls[0]
+    calls = made[0]
     row["setup_calls"] = calls + 1
     row["setup_out_of_memory"] = out_of_memory_count()
     setup_peaks = _peaks()
