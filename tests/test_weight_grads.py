@@ -145,8 +145,24 @@ def test_a_serial_plan_splits_its_weight_gradients_only_where_asked(monkeypatch)
         assert_close_rel(p.grad, q.grad, 1e-12, name)
 
 
-def test_tensor_and_post_accumulate_grad_hooks_on_a_weight_fire_with_its_gradient():
+def test_a_layer_reading_an_input_that_needs_no_gradient_keeps_its_call():
+    """The stem reads the batch: its backward is its weight gradient alone, last, with no input gradient on the
+    caller's stream to overlap; split off, the weight-gradient stream would allocate its workspace. It keeps the
+    module's own call (its gradient computed where autograd computes it); every other layer splits."""
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    optimized, model, reference = optimized_pair(lambda: ConvBranches().double(), x)
+    assert optimized.plan.weight_grad_splits == 5  # the plan cannot know: the input is checked at each call
+    out = optimized(x)
+    assert weight_grad_nodes(out) == 4  # left, right, mid, head
+    weighted_sum(out).backward()
+    weighted_sum(reference(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_rel(p.grad, q.grad, 1e-12, name)
+    assert weight_grad_nodes(optimized(x.clone().requires_grad_())) == 5
+
+
+def test_tensor_and_post_accumulate_grad_hooks_on_a_weight_fire_with_its_gradient():
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64).requires_grad_()
     optimized, model, reference = optimized_pair(lambda: ConvBranches().double(), x)
     seen = {}
     for tag, m in (("split", model), ("ref", reference)):
@@ -164,7 +180,7 @@ def test_tensor_and_post_accumulate_grad_hooks_on_a_weight_fire_with_its_gradien
 
 
 def test_autograd_grad_wrt_weights_and_wrt_the_input_alone(monkeypatch):
-    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64).requires_grad_()
     optimized, model, reference = optimized_pair(lambda: ConvBranches().double(), x)
     out = optimized(x)
     assert weight_grad_nodes(out) == 5
@@ -186,7 +202,7 @@ def test_autograd_grad_wrt_weights_and_wrt_the_input_alone(monkeypatch):
 
 
 def test_gradients_accumulate_over_two_backward_calls():
-    xs = [torch.randn(3, 5, 6, dtype=torch.float64) for _ in range(2)]
+    xs = [torch.randn(3, 5, 6, dtype=torch.float64).requires_grad_() for _ in range(2)]
     optimized, model, reference = optimized_pair(lambda: LinearBranches().double(), xs[0])
     for x in xs:
         out = optimized(x)
@@ -199,7 +215,7 @@ def test_gradients_accumulate_over_two_backward_calls():
 
 def test_double_backward_through_the_weight_gradients_equals_the_original():
     """A gradient penalty: the second backward runs through each layer's weight gradient."""
-    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64).requires_grad_()
     optimized, model, reference = optimized_pair(lambda: ConvBranches().double(), x)
     for m, mod in ((model, optimized), (reference, reference)):
         out = mod(x)
@@ -214,7 +230,7 @@ def test_double_backward_through_the_weight_gradients_equals_the_original():
 
 
 def test_cpu_autocast_bf16_gradients_match_and_have_the_parameters_dtype():
-    x = torch.randn(4, 3, 8, 8)
+    x = torch.randn(4, 3, 8, 8).requires_grad_()
     optimized, model, reference = optimized_pair(lambda: WideNet(branches=6), x)
     unsplit_model = copy.deepcopy(reference)
     unsplit = concur.optimize(unsplit_model, (x,), streams=4, split_weight_grads=False)
@@ -271,7 +287,7 @@ def test_fail_closed_shared_weights_hooks_subclasses_and_odd_padding_stay_module
 
 
 def test_at_call_time_a_new_hook_a_frozen_weight_or_no_grad_get_the_module_call():
-    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64).requires_grad_()
     optimized, model, reference = optimized_pair(lambda: ConvBranches().double(), x)
     assert optimized.plan.weight_grad_splits == 5
     with torch.no_grad():
@@ -318,7 +334,7 @@ def test_nothing_but_aliasing_runs_while_the_weight_gradient_stream_is_current(m
             inside[0] = False
 
     monkeypatch.setattr(StreamRuntime, "on_weight_grad_stream", on_stream)
-    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).requires_grad_()
     optimized, _, _ = optimized_pair(lambda: WideNet(branches=6).double(), x)
     with _Log(inside) as log:
         optimized(x)
