@@ -200,8 +200,9 @@ def schedule_ops(dag: nx.DiGraph, streams: int, scheduler: str, device: torch.de
 
 # Whether a one-stream plan splits its weight gradients too: its forward the model's own serial program, its
 # weight gradients on the weight-gradient stream in backward. Off: under memory pressure, where the fallback
-# to one stream runs, that stream's cuDNN workspace is allocated at backward's peak and need not fit, and cuDNN
-# then keeps a slower algorithm for the process (`experiments/memory.py --serial-weight-grads` weighs it)
+# to one stream runs, that stream's cuDNN workspaces are allocated beside the caller's and need not fit (cuDNN
+# then keeps a slower algorithm for the process: Inception-v3 b64 under 1.05x ran 0.97x the recipe, its stem
+# split then); `experiments/memory.py --serial-weight-grads` weighs it
 SERIAL_WEIGHT_GRADS = False
 
 
