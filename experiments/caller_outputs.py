@@ -29,7 +29,7 @@ cuDNN workspace does not. Under PyTorch's CUDA sanitizer both forms report
 races the sanitizer cannot rule out: an output allocated on the caller's
 stream (which it counts as a write there) and written on a side stream that
 waited for the caller's only where the caller was given work since, and
-``new_empty``'s read of its argument (no kernel); the first form on
+``new_empty``'s read of its argument (no kernel; no longer called); the first form on
 Inception-v3 stops inside torch there (an internal assert, then a crash).
 
 Enabled in ``experiments/memory.py``'s concur children by ``CONCUR_PROBE_CALLER_OUTPUTS`` (``1`` or
@@ -163,7 +163,7 @@ def _batch_norm_out(out_op: Any, names: tuple[str, ...], small: tuple[torch.dtyp
         if kwargs or not x.is_cuda:
             return None
         outs = [mode.empty(x.shape, x.dtype, x.device, _memory_format(x), side),
-                *(x.new_empty(0, dtype=dtype) for dtype in small)]
+                *(torch.empty(0, dtype=dtype, device=x.device) for dtype in small)]  # new_empty reads x, says CSAN
         return lambda: out_op(*args, **dict(zip(names, outs)))
     return handler
 
