@@ -23,9 +23,11 @@ autograd records the caller's stream for every node: the forward runs its
 branches side by side, the whole backward on the caller's stream, from one
 free list.
 
-Measured (RESULTS.md, "The next levers, probed"): the second form fits
-under 1.05x of the recipe on 4 streams, and the weight-gradient stream's
-cuDNN workspace does not. Under PyTorch's CUDA sanitizer both forms report
+Measured (RESULTS.md, "The next levers, probed"): the second form keeps 4
+streams under 1.05x of the recipe's memory, GoogLeNet and Inception-v3 b64
+at 1.10x and 1.08x its speed (since a stem keeps its weight gradient on the
+caller's stream; before, that gradient's cuDNN workspace on the
+weight-gradient stream did not fit). Under PyTorch's CUDA sanitizer both forms report
 races the sanitizer cannot rule out: an output allocated on the caller's
 stream (which it counts as a write there) and written on a side stream that
 waited for the caller's only where the caller was given work since, and
