@@ -1067,3 +1067,29 @@ def foreach_lerp_(xs: list[torch.Tensor], ys: list[torch.Tensor], weight: torch.
         return
     fused(xs, ys, [], weight_decay=1.0, momentum=0.0, lr=weight, dampening=0.0, nesterov=False, maximize=not negate,
           is_first_step=False)
+
+
+def dispatch_mode_base() -> type | None:
+    """Return torch's ``TorchDispatchMode`` (private: ``torch.utils._python_dispatch``), or None where this torch
+    has none; a mode of it sees every aten call below autograd (:mod:`concur.caller_memory`)."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return TorchDispatchMode
+
+
+def cudnn_convolution_format(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: list,
+                             padding: list, dilation: list, transposed: bool, output_padding: list,
+                             groups: int) -> torch.memory_format | None:
+    """Return the memory format of the output ``aten.convolution`` makes where it runs this call on cuDNN; None
+    where it would run it on another backend, or this torch cannot say (``torch._C._select_conv_backend``,
+    private): the call then runs as it is."""
+    try:
+        backend = torch._C._select_conv_backend(x, w, bias, stride, padding, dilation, transposed,
+                                                output_padding, groups, None)
+        if backend != torch._C._ConvBackend.Cudnn:
+            return None
+        return torch._C._conv_determine_backend_memory_format(x, w, backend)
+    except (AttributeError, RuntimeError, TypeError):
+        return None

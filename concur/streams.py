@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
+from concur.caller_memory import CallerMemory
 from concur.dag.annotate import cuda_device_in, tensors_in
 
 __all__ = ["side_streams", "weight_grad_stream", "StreamRuntime"]
@@ -70,10 +71,15 @@ def weight_grad_stream(device: torch.device) -> torch.cuda.Stream:
 class StreamRuntime:
     """Streams and events of one plan, bound lazily to the device of the first CUDA input."""
 
-    def __init__(self, num_streams: int, num_events: int, weight_grad_stream: bool = False):
+    def __init__(self, num_streams: int, num_events: int, weight_grad_stream: bool = False,
+                 caller_memory: bool = False):
         self.num_streams = num_streams
         self.num_events = num_events
         self.has_weight_grad_stream = weight_grad_stream
+        # the side streams' ops launched from below autograd, their memory and their backward the caller's
+        # (concur.caller_memory); entered at a fork with grad mode on, left at the join
+        self.caller_memory = caller_memory
+        self._mode: Any = None
         self.active = False
         self._device: torch.device | None = None
         self._side: list[torch.cuda.Stream] = []
@@ -106,12 +112,19 @@ class StreamRuntime:
         fork_event.record(caller)
         for s in self._side:
             s.wait_event(fork_event)
+        if self.caller_memory and self._side and torch.is_grad_enabled():
+            self._mode = CallerMemory(caller)
+            self._mode.__enter__()
 
     def switch(self, index: int) -> None:
-        """Make stream ``index`` current: the following ops are queued on it."""
+        """Make stream ``index`` current: the following ops are queued on it (with caller memory, launched there
+        while torch's current stream stays the caller's, so that autograd records the caller's)."""
         if self.active:
             self._current = index
-            torch.cuda.set_stream(self._streams[index])
+            if self._mode is not None:
+                self._mode.launch = self._streams[index]
+            else:
+                torch.cuda.set_stream(self._streams[index])
 
     def record(self, event: int) -> None:
         """Record event ``event`` on the current stream, after the op just issued."""
@@ -122,6 +135,8 @@ class StreamRuntime:
         """Make the current stream wait for event ``event``."""
         if self.active:
             self._streams[self._current].wait_event(self._events[event])
+            if self._mode is not None and self._current == 0:  # the caller's stream was given work
+                self._mode.caller_issued()
 
     def keep(self, *tensors: Any) -> None:
         """Protect tensors allocated on another stream from reuse while the current stream uses them."""
@@ -135,6 +150,7 @@ class StreamRuntime:
         """End a call: the caller's stream waits for every side stream and becomes current again."""
         if not self.active:
             return
+        self._leave_mode()
         caller = self._streams[0]
         for s, ev in zip(self._side, self._join_events[1:]):
             ev.record(s)
@@ -147,9 +163,15 @@ class StreamRuntime:
 
     def abort(self) -> None:
         """Restore the caller's stream after an exception mid-plan."""
+        self._leave_mode()
         if self.active and self._streams:
             torch.cuda.set_stream(self._streams[0])
             self._current = 0
+
+    def _leave_mode(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def on_weight_grad_stream(self) -> Iterator[None]:
@@ -165,8 +187,8 @@ class StreamRuntime:
         torch.cuda.set_stream(stream)
         try:
             yield
-        finally:
-            torch.cuda.set_stream(self._streams[self._current])
+        finally:  # with caller memory, torch's current stream is the caller's whatever the plan's current one
+            torch.cuda.set_stream(self._streams[0 if self._mode is not None else self._current])
 
     def protect(self, value: Any, streams: tuple[int, ...]) -> None:
         """Protect the tensors in ``value`` from reuse until the given streams' queued work is done."""

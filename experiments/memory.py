@@ -68,7 +68,10 @@ for the rest of the process); ``--oom-trace`` adds where each came from
 gradient on the layer's own stream (``split_weight_grads=False``);
 ``--serial-weight-grads`` runs every concur side with its one-stream plans
 splitting weight gradients too (``concur.fx.plan.SERIAL_WEIGHT_GRADS``: the
-model's own forward, the weight gradients on their stream). ``--kernels N``
+model's own forward, the weight gradients on their stream); ``--caller-memory``
+runs every concur side with an unfused rung that ran out of memory tried
+again with its side streams' memory and its backward the caller's stream's
+(``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``). ``--kernels N``
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
@@ -262,7 +265,7 @@ def _record_failures(row: dict) -> None:
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
                  streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False,
                  memory_model: str = "forward", split_weight_grads: bool | None = None,
-                 serial_weight_grads: bool = False) -> Any:
+                 serial_weight_grads: bool = False, caller_memory: bool = False) -> Any:
     import concur  # here only: the recipe's processes must not load it
     from concur.fx import plan
     from concur.training import rungs, trial as trial_policy
@@ -270,6 +273,7 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
     rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
     rungs.MEMORY_MODEL_FIRST = memory_model  # what its plans count of memory
+    rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY = caller_memory  # a rung out of memory tried with the caller's memory
     if os.environ.get(caller_outputs.ENV):  # a probe (experiments/caller_outputs.py), not concur
         caller_outputs.install(caller_outputs.form_asked())
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
@@ -350,7 +354,7 @@ def _train(payload: dict, row: dict) -> None:
         step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"],
                             payload["lean_pools"], payload["memory_model"],
                             False if payload.get("unsplit_weight_grads") else None,
-                            bool(payload.get("serial_weight_grads")))
+                            bool(payload.get("serial_weight_grads")), bool(payload.get("caller_memory")))
     made = [0]  # setup calls made so far, read by the out-of-memory trace
     if payload.get("oom_trace"):
         _trace_out_of_memory(row, made)
@@ -420,6 +424,7 @@ def base_row(payload: dict) -> dict:
                 memory_model=payload["memory_model"] if payload["who"] == "concur" else None,
                 unsplit_weight_grads=bool(payload.get("unsplit_weight_grads")) if payload["who"] == "concur" else None,
                 serial_weight_grads=bool(payload.get("serial_weight_grads")) if payload["who"] == "concur" else None,
+                caller_memory=bool(payload.get("caller_memory")) if payload["who"] == "concur" else None,
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
@@ -506,7 +511,8 @@ def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: 
                 trial=side.trial, lean_pools=side.lean_pools, memory_model=side.memory_model,
                 oom_trace=getattr(args, "oom_trace", False),
                 unsplit_weight_grads=getattr(args, "unsplit_weight_grads", False),
-                serial_weight_grads=getattr(args, "serial_weight_grads", False))
+                serial_weight_grads=getattr(args, "serial_weight_grads", False),
+                caller_memory=getattr(args, "caller_memory", False))
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
@@ -633,6 +639,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serial-weight-grads", action="store_true",
                     help="every concur run's one-stream plans split weight gradients too (concur.fx.plan."
                          "SERIAL_WEIGHT_GRADS): a serial forward, the weight gradients on their own stream")
+    ap.add_argument("--caller-memory", action="store_true",
+                    help="every concur run tries a rung out of memory again with the caller's memory "
+                         "(concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY) before fewer streams")
     ap.add_argument("--oom-trace", action="store_true",
                     help="record where each allocation that ran out of memory came from (rows' oom_trace)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")

@@ -20,7 +20,7 @@ import torch
 import concur
 import concur.training.step as train_mod
 from concur.dag import measure
-from concur.training import graph_runner
+from concur.training import graph_runner, rungs
 from tests.fake_cuda_graphs import fake_cuda
 from tests.test_step_habits import (SGD_M, EmulatedGraphs, assert_same_run, loss_fn, make_batches, make_model,
                                     plain_loop)
@@ -54,8 +54,12 @@ class FailingGraphs(EmulatedGraphs):
         self.pools += 1
 
 
-def run(monkeypatch, runner, batches, events=None, streams=2, make=make_model):
+def run(monkeypatch, runner, batches, events=None, streams=2, make=make_model, caller_memory=False):
+    """Train ``batches`` with ``runner``'s graphs and check the run equals the plain loop's; return the step and
+    its warnings. ``caller_memory``: whether a rung out of memory is tried again with the caller's memory
+    (concur.caller_memory) before fewer streams; off here, where the tests follow the ladder of stream counts."""
     monkeypatch.setattr(train_mod, "_graph_runner", lambda on_cuda, priority=False: runner)
+    monkeypatch.setattr(rungs, "CALLER_MEMORY_AFTER_OUT_OF_MEMORY", caller_memory)
     model, ref = make(), make()
     opt, ref_opt = SGD_M(model), SGD_M(ref)
     step = concur.train_step(model, loss_fn, opt, batches[0], streams=streams)
@@ -84,6 +88,29 @@ def test_out_of_memory_capturing_streams_drops_to_one_stream_at_once_and_says_wh
     assert status.captured and status.streams == 1 and "does not fit in memory" in status.why
     assert (status.captures, status.failures, status.recovered) == (2, 1, 0)
     assert "1 stream of 2 asked for" in str(status)
+
+
+def test_out_of_memory_on_streams_tries_them_again_with_the_callers_memory_and_keeps_them(monkeypatch):
+    """An unfused rung that runs out of memory is captured once more on as many streams, its side streams' ops
+    launched with the caller's memory and its backward the caller's (concur.caller_memory), before fewer streams."""
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM)])
+    step, said = run(monkeypatch, runner, make_batches(6), caller_memory=True)
+    assert step.failed_streams == set() and step.caller_memory
+    assert step.module.plan.runtime.caller_memory and step.module.plan.schedule.num_streams == 2
+    (warning,) = said
+    assert "the step on 2 streams does not fit in memory" in warning and "20.00 MiB" in warning
+    assert "running it on 2 streams, its side streams' memory and its backward the caller's stream's" in warning
+    status = step.status
+    assert status.captured and status.streams == 2 and (status.captures, status.failures) == (1, 1)
+
+
+def test_where_the_callers_memory_does_not_fit_either_the_step_drops_to_one_stream(monkeypatch):
+    runner = FailingGraphs([torch.OutOfMemoryError(OOM), torch.OutOfMemoryError(OOM)])
+    step, said = run(monkeypatch, runner, make_batches(6), caller_memory=True)
+    assert step.failed_streams == {2} and step.status.streams == 1
+    (warning,) = said
+    assert warning.count("the step on 2 streams does not fit in memory") == 2 and "1 stream" in warning
+    assert runner.freed >= 2, "each failed attempt's memory is given back before the next"
 
 
 def test_out_of_memory_in_warm_up_falls_back_like_one_in_capture(monkeypatch):

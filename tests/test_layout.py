@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "concur._torch_compat": 0, "concur.errors": 0, "concur.zoo": 0,
     "concur.dag": 1,
-    "concur.streams": 2,
+    "concur.streams": 2, "concur.caller_memory": 2,
     "concur.fx": 3, "concur.inductor": 3,
     "concur.fx.module": 4,
     "concur.observe": 5,

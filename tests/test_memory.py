@@ -255,6 +255,7 @@ def cpu_child(monkeypatch):
     monkeypatch.setattr(trial_policy, "SIDE_BY_SIDE", trial_policy.SIDE_BY_SIDE)
     monkeypatch.setattr(rungs, "LEAN_POOLS_FIRST", rungs.LEAN_POOLS_FIRST)
     monkeypatch.setattr(rungs, "MEMORY_MODEL_FIRST", rungs.MEMORY_MODEL_FIRST)
+    monkeypatch.setattr(rungs, "CALLER_MEMORY_AFTER_OUT_OF_MEMORY", rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY)
     from concur.fx import plan
     monkeypatch.setattr(plan, "SERIAL_WEIGHT_GRADS", plan.SERIAL_WEIGHT_GRADS)
     return monkeypatch
@@ -348,6 +349,19 @@ def test_serial_weight_grads_makes_one_stream_plans_split_and_the_row_says_so(cp
     row = memory.child(dict(_payload("concur_streams1", "concur", 1), serial_weight_grads=serial))
     assert row["outcome"] != "error" and row["serial_weight_grads"] is serial and plan.SERIAL_WEIGHT_GRADS is serial
     assert memory.child(_payload("recipe", "recipe", None))["serial_weight_grads"] is None
+
+
+@pytest.mark.parametrize("caller", [False, True])
+def test_caller_memory_lets_every_concur_step_retry_a_rung_with_the_callers_memory_and_the_row_says_so(cpu_child,
+                                                                                                       caller):
+    from concur.training import rungs
+
+    row = memory.child(dict(_payload("concur", "concur", None), caller_memory=caller))
+    assert row["outcome"] != "error" and row["caller_memory"] is caller
+    assert rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY is caller
+    assert memory.child(_payload("recipe", "recipe", None))["caller_memory"] is None
+    assert memory._payload(memory.Config("googlenet", 64, "unfused"), memory.Side("concur", "concur", None),
+                           memory.parse_args(["--out", "x", "--caller-memory"]), None)["caller_memory"]
 
 
 def test_the_out_of_memory_trace_records_each_allocation_that_ran_out_with_its_call_and_frames(cpu_child):

@@ -14,6 +14,7 @@ import torch.nn as nn
 import schedulers
 
 from concur import _torch_compat as compat
+from concur.caller_memory import available as caller_memory_available
 from concur.dag import decide
 from concur.dag.cost import AnalyticCost, CostModel, describe, roofline_for
 from concur.dag.calibration import calibration_for
@@ -66,12 +67,14 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
 
     def __init__(self, model: nn.Module, example_inputs: tuple, streams: int, scheduler: str,
                  cost_model: CostModel | None, leaf_modules: LeafSpec, split_weight_grads: bool = False,
-                 measure: bool | str = True, memory_model: str = "forward", lean_pools: bool = False):
+                 measure: bool | str = True, memory_model: str = "forward", lean_pools: bool = False,
+                 caller_memory: bool = False):
         super().__init__()
         self._attach(model, dict(streams=streams, scheduler=scheduler, cost_model=cost_model,
                                  leaf_modules=leaf_modules if isinstance(leaf_modules, str)
                                  else tuple(leaf_modules), split_weight_grads=split_weight_grads,
-                                 measure=measure, memory_model=memory_model, lean_pools=lean_pools))
+                                 measure=measure, memory_model=memory_model, lean_pools=lean_pools,
+                                 caller_memory=caller_memory))
         self._plan_for(example_inputs)
 
     def _attach(self, model: nn.Module, options: dict) -> None:
@@ -131,7 +134,8 @@ class ConcurModule(compat.StateDictOfOriginal, nn.Module):
                                               memory_budget=budget,
                                               training_memory=o.get("memory_model") == "training")
         candidates = [s for s in schedules if s.num_streams > 1]
-        rewrites = (o["split_weight_grads"], o.get("lean_pools", False))  # a copy made before lean_pools has none
+        # a copy made before lean_pools or caller_memory has none
+        rewrites = (o["split_weight_grads"], o.get("lean_pools", False), o.get("caller_memory", False))
         if not candidates:
             return generate_plan(self.original, traced, dag, prologue, schedules[0], *rewrites)
         plans = [generate_plan(self.original, traced, dag, prologue, s, *rewrites) for s in candidates]
@@ -285,7 +289,8 @@ def _check_inputs(model: Any, example_inputs: Any, streams: Any) -> tuple:
 def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
              scheduler: str = "critical_path", *, cost_model: CostModel | None = None,
              leaf_modules: LeafSpec = (), fallback: str = "error", split_weight_grads: bool = False,
-             measure: bool | str = True, memory_model: str = "forward", lean_pools: bool = False) -> nn.Module:
+             measure: bool | str = True, memory_model: str = "forward", lean_pools: bool = False,
+             caller_memory: bool = False) -> nn.Module:
     """Return a drop-in module running ``model``'s independent operations on ``streams`` streams.
 
     Outputs, gradients and buffer updates equal the original model's. On CPU
@@ -342,6 +347,16 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     bit, for one more pooling kernel in backward; a plan's
     ``pool_recomputes`` counts them. :func:`concur.train_step` plans its
     fallback on fewer streams so where the streams asked for do not fit.
+
+    ``caller_memory=True`` launches the side streams' ops of a plan of more
+    than one stream from below autograd, torch's current stream the
+    caller's, their large outputs made on the caller's stream: every
+    activation is the caller's stream's memory and the whole backward runs
+    there (:mod:`concur.caller_memory`). The same outputs and gradients; a
+    training step short of memory keeps its streams so, where the plain
+    program's side streams do not fit (:func:`concur.train_step` takes it
+    only then: unlimited, the plain program is faster). Where this torch has
+    no dispatch modes it is off.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -354,7 +369,7 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(schedulers.SCHEDULERS)}")
     try:
         return ConcurModule(model, example_inputs, streams, scheduler, cost_model, leaf_modules, split_weight_grads,
-                            measure, memory_model, lean_pools)
+                            measure, memory_model, lean_pools, caller_memory and caller_memory_available())
     except CaptureError as exc:
         if fallback == "eager":
             warnings.warn(f"{exc}\nconcur falls back to running the model unchanged (fallback='eager').",

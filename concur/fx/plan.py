@@ -207,7 +207,8 @@ SERIAL_WEIGHT_GRADS = False
 
 
 def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGraph, prologue: frozenset[str],
-                  schedule: Schedule, split_weight_grads: bool = False, lean_pools: bool = False) -> Plan:
+                  schedule: Schedule, split_weight_grads: bool = False, lean_pools: bool = False,
+                  caller_memory: bool = False) -> Plan:
     """Return the verified plan running ``traced`` (analysed as ``dag``) in ``schedule``.
 
     A plan of more than one stream splits its weight gradients with
@@ -216,6 +217,10 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
     saving them (:mod:`concur.fx.pool_indices`); a one-stream plan stays the
     model's own program, unless :data:`SERIAL_WEIGHT_GRADS` splits its
     weight gradients too (off: measured not to fit where the streams do not).
+    With ``caller_memory`` a plan of more than one stream launches its side
+    streams' ops from below autograd, their large outputs made on the
+    caller's stream, and runs its whole backward there
+    (:mod:`concur.caller_memory`).
 
     ``traced`` is not changed, so one trace gives several plans (the
     multi-stream one, and one stream to fall back to or to time against).
@@ -235,7 +240,8 @@ def generate_plan(model: torch.nn.Module, traced: fx.GraphModule, dag: nx.DiGrap
         raise PlanError(f"concur produced an invalid plan for {type(model).__name__} "
                         f"({schedule.scheduler}, {schedule.num_streams} streams); please report this bug: "
                         f"{problems[:5]}")
-    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0)
+    runtime = StreamRuntime(schedule.num_streams, event_count(schedule), weight_grad_stream=splits > 0,
+                            caller_memory=caller_memory and schedule.num_streams > 1)
     setattr(traced, runtime_attr, runtime)
     generated = fx.GraphModule(traced, graph, f"Concur{type(model).__name__}")
     return Plan(schedule, dag, generated, runtime, runtime_attr, traced, splits, pools)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Protocol, Union
 
-__all__ = ["Rung", "LEAN_POOLS_FIRST", "MEMORY_MODEL_FIRST", "stream_rungs", "describe"]
+__all__ = ["Rung", "LEAN_POOLS_FIRST", "MEMORY_MODEL_FIRST", "CALLER_MEMORY_AFTER_OUT_OF_MEMORY", "stream_rungs",
+           "describe"]
 
 Rung = Union[int, str]
 
@@ -31,6 +32,13 @@ LEAN_POOLS_FIRST = False
 # for backward, which only that stream's backward frees, so a plan made with it runs fewer branches side by side
 # near backward's peak. "forward" by default; `experiments/memory.py --training-memory` weighs the other
 MEMORY_MODEL_FIRST = "forward"
+
+# Whether an unfused rung that ran out of memory is tried once more with its side streams' memory and its whole
+# backward on the caller's stream (concur.caller_memory) before fewer streams. Its probe kept the streams where
+# the plain program's side streams do not fit (experiments/caller_outputs.py; H200, b64 under 1.05x the recipe's
+# memory: GoogLeNet 1.10x, Inception-v3 1.08x the recipe's speed, where 2 streams did not fit and one ran 1.00x);
+# off while this form of it has not run on a GPU: `experiments/memory.py --caller-memory` weighs it
+CALLER_MEMORY_AFTER_OUT_OF_MEMORY = False
 
 
 class _Asked(Protocol):

@@ -111,6 +111,8 @@ class TrainStep:
         self.failed_streams: set[Rung] = set()  # rungs whose capture failed: not tried again
         # after a multi-stream capture ran out of memory, the unfused plans built next save no max-pooling indices
         self.lean_pools = rungs.LEAN_POOLS_FIRST
+        # and, first, launch their side streams' ops with the caller's memory and backward (concur.caller_memory)
+        self.caller_memory = False
         on_cuda = any(t.is_cuda for t in tensors_in(inputs)) and torch.cuda.is_available()
         self._runner = _graph_runner(on_cuda, stream_priority) if cuda_graph else None
         self._batches = BatchChecks(self, streams)  # builds the plan, then tries example_batch on loss_fn too
@@ -211,6 +213,7 @@ class TrainStep:
         self.eager_keys.clear()
         self.failed_streams.clear()
         self.lean_pools = rungs.LEAN_POOLS_FIRST
+        self.caller_memory = False
 
     def _program_streams(self, captured: Captured) -> int:
         """The streams the program of ``captured`` runs on: its plans' (unfused: the plan it runs; fused: the
@@ -257,7 +260,8 @@ class TrainStep:
                                                          split_weight_grads=self.split_weight_grads,
                                                          measure=api.DEFERRED if self._can_trial() else True,
                                                          lean_pools=self.lean_pools,
-                                                         memory_model=rungs.MEMORY_MODEL_FIRST)
+                                                         memory_model=rungs.MEMORY_MODEL_FIRST,
+                                                         caller_memory=self.caller_memory)
         return self.modules[streams]
 
     def _can_trial(self) -> bool:
