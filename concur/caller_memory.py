@@ -21,12 +21,14 @@ given since (its ops, its waits on events). The output is marked used by the
 side stream (``record_stream``; in a CUDA-graph capture the allocator reuses
 it once the graph orders that use first).
 
-Measured on the H200 (GoogLeNet and Inception-v3 at batch 64, under 1.05x the
-recipe's peak memory, where the plain plans' side streams do not fit): 4
-streams kept, 1.10x and 1.08x the recipe's speed. Unlimited the plain
+Its probe (``experiments/caller_outputs.py``) on the H200 (GoogLeNet and
+Inception-v3 at batch 64, under 1.05x the recipe's peak memory, where the
+plain plans' side streams do not fit): 4 streams kept, 1.10x and 1.08x the
+recipe's speed. Unlimited the plain
 program, its backward on the side streams too, is faster (1.19x and 1.13x):
 :mod:`concur.training.capture` takes this form only after that one ran out
-of memory.
+of memory, where ``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``
+is on (off until this form, not its probe, is measured on a GPU).
 """
 
 from __future__ import annotations

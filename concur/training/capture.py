@@ -15,6 +15,7 @@ a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
 programs down, to 2 streams, then with aten's calls on the caller's stream,
 then to one (the step's peak is at the start of backward); an unfused step
+(with :data:`concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY` on)
 first captures the same streams again with its side streams' memory and its
 whole backward the caller's stream's (:mod:`concur.caller_memory`), then,
 on more than 2 streams, tries 2 (:mod:`concur.training.rungs`), its
