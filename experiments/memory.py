@@ -104,7 +104,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from experiments import peers
-from experiments import caller_outputs
 from experiments.sweep_models import cuda_setup as setup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +119,7 @@ MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past
 CHILD_TIMEOUT_S = 3600.0
 PROFILED_STEPS = 5  # steps profiled for --kernels, after the timed ones
 MB = 2**20
+PROBE_ENV = "CONCUR_PROBE_CALLER_OUTPUTS"  # experiments/caller_outputs.py's switch, imported by concur children only
 OWN_FILES = re.compile(r"[/\\](concur|experiments|torchvision|timm)[/\\]")  # frames an out-of-memory trace keeps
 FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
                       re.IGNORECASE)
@@ -274,7 +274,9 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
     rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
     rungs.MEMORY_MODEL_FIRST = memory_model  # what its plans count of memory
     rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY = caller_memory  # a rung out of memory tried with the caller's memory
-    if os.environ.get(caller_outputs.ENV):  # a probe (experiments/caller_outputs.py), not concur
+    if os.environ.get(PROBE_ENV):  # a probe (experiments/caller_outputs.py), over concur's caller memory
+        from experiments import caller_outputs
+
         caller_outputs.install(caller_outputs.form_asked())
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     plan.SERIAL_WEIGHT_GRADS = serial_weight_grads  # whether its one-stream plans split weight gradients too
@@ -384,7 +386,9 @@ def _train(payload: dict, row: dict) -> None:
                peak_reserved_mb=max(setup_peaks[1], steady[1]) / MB)
     if payload["who"] == "concur":
         row.update(_streams_kept(step))
-        if os.environ.get(caller_outputs.ENV):
+        if os.environ.get(PROBE_ENV):
+            from experiments import caller_outputs
+
             row["caller_outputs"] = dict(caller_outputs.COUNTS, form=caller_outputs.form_asked())
     row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
     if payload.get("kernels"):
