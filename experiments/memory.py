@@ -120,6 +120,8 @@ CHILD_TIMEOUT_S = 3600.0
 PROFILED_STEPS = 5  # steps profiled for --kernels, after the timed ones
 MB = 2**20
 PROBE_ENV = "CONCUR_PROBE_CALLER_OUTPUTS"  # experiments/caller_outputs.py's switch, imported by concur children only
+# the switches that apply to every concur child of a run (--unsplit-weight-grads ...): payloads and rows carry each
+SWITCHES = ("unsplit_weight_grads", "serial_weight_grads", "caller_memory")
 OWN_FILES = re.compile(r"[/\\](concur|experiments|torchvision|timm)[/\\]")  # frames an out-of-memory trace keeps
 FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
                       re.IGNORECASE)
@@ -264,7 +266,7 @@ def _record_failures(row: dict) -> None:
 
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
                  streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False,
-                 memory_model: str = "forward", split_weight_grads: bool | None = None,
+                 memory_model: str = "forward", unsplit_weight_grads: bool = False,
                  serial_weight_grads: bool = False, caller_memory: bool = False) -> Any:
     import concur  # here only: the recipe's processes must not load it
     from concur.fx import plan
@@ -280,8 +282,8 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
         caller_outputs.install(caller_outputs.form_asked())
     chosen = {} if streams is None else {"streams": streams}  # None: concur's own default
     plan.SERIAL_WEIGHT_GRADS = serial_weight_grads  # whether its one-stream plans split weight gradients too
-    if split_weight_grads is not None:
-        chosen["split_weight_grads"] = split_weight_grads
+    if unsplit_weight_grads:
+        chosen["split_weight_grads"] = False
     return concur.train_step(model, loss_fn, optimizer(model.parameters()), batch, amp_dtype=torch.bfloat16,
                              compile=path == "fused", **chosen)
 
@@ -355,8 +357,7 @@ def _train(payload: dict, row: dict) -> None:
         _record_failures(row)
         step = _concur_step(model, loss_fn, optimizer, batch, payload["path"], payload["streams"], payload["trial"],
                             payload["lean_pools"], payload["memory_model"],
-                            False if payload.get("unsplit_weight_grads") else None,
-                            bool(payload.get("serial_weight_grads")), bool(payload.get("caller_memory")))
+                            **{s: bool(payload.get(s)) for s in SWITCHES})
     made = [0]  # setup calls made so far, read by the out-of-memory trace
     if payload.get("oom_trace"):
         _trace_out_of_memory(row, made)
@@ -426,9 +427,7 @@ def base_row(payload: dict) -> dict:
                 trial=payload["trial"] if payload["who"] == "concur" else None,
                 lean_pools=payload["lean_pools"] if payload["who"] == "concur" else None,
                 memory_model=payload["memory_model"] if payload["who"] == "concur" else None,
-                unsplit_weight_grads=bool(payload.get("unsplit_weight_grads")) if payload["who"] == "concur" else None,
-                serial_weight_grads=bool(payload.get("serial_weight_grads")) if payload["who"] == "concur" else None,
-                caller_memory=bool(payload.get("caller_memory")) if payload["who"] == "concur" else None,
+                **{s: bool(payload.get(s)) if payload["who"] == "concur" else None for s in SWITCHES},
                 recipe=RECIPE_OF_PATH[payload["path"]] if payload["who"] == "recipe" else None,
                 torch=torch.__version__, date=datetime.date.today().isoformat())
 
@@ -513,10 +512,7 @@ def _payload(config: Config, side: Side, args: argparse.Namespace, limit_bytes: 
                 streams=side.streams, limit=args.limit if limit_bytes is not None else None,
                 limit_bytes=limit_bytes, steps=args.steps, timed_steps=args.timed_steps, kernels=args.kernels,
                 trial=side.trial, lean_pools=side.lean_pools, memory_model=side.memory_model,
-                oom_trace=getattr(args, "oom_trace", False),
-                unsplit_weight_grads=getattr(args, "unsplit_weight_grads", False),
-                serial_weight_grads=getattr(args, "serial_weight_grads", False),
-                caller_memory=getattr(args, "caller_memory", False))
+                oom_trace=getattr(args, "oom_trace", False), **{s: getattr(args, s, False) for s in SWITCHES})
 
 
 def run_config(config: Config, args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:

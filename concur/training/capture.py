@@ -132,7 +132,7 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
         captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is None and _caller_memory_next(step, streams, memory):
             # the same streams once more, every activation and the whole backward on the caller's stream
-            missed.append(_give_up_on(step, streams, why, memory, attempt))
+            missed.append(_give_up_on(step, streams, why, memory, attempt)[0])
             step.caller_memory = True
             captured, why, memory, attempt = _capture_on(step, inputs, targets, key, streams, phase)
         if captured is not None:
@@ -146,9 +146,9 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
             return captured
         if streams == 1:
             break
-        widest = _program_width(step, streams)
         step.failed_streams.add(streams)
-        missed.append(_give_up_on(step, streams, why, memory, attempt))
+        fallback, widest = _give_up_on(step, streams, why, memory, attempt)
+        missed.append(fallback)
         if not memory:
             widest = 2  # a failure memory does not explain: fewer side streams would not help, one stream may
         elif not step.compile:
@@ -162,10 +162,12 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     return None
 
 
-def _give_up_on(step: CapturingStep, streams: Rung, why: str, memory: bool, attempt: int) -> str:
+def _give_up_on(step: CapturingStep, streams: Rung, why: str, memory: bool, attempt: int) -> tuple[str, int | None]:
     """Free the module (and the compiled code) of ``streams`` that did not fit or cannot be captured, and what
-    its attempt held; log and return what it missed."""
-    on = describe(_program_width(step, streams) or streams)
+    its attempt held; log what it missed and return that, with the streams its program ran
+    (:func:`_program_width`, read before the module goes)."""
+    width = _program_width(step, streams)
+    on = describe(width or streams)
     step.modules.pop(streams, None)
     step.backends.pop(streams, None)
     step._runner.failed()
@@ -173,7 +175,7 @@ def _give_up_on(step: CapturingStep, streams: Rung, why: str, memory: bool, atte
     fallback = (f"the step on {on} does not fit in memory ({why})" if memory else
                 f"capturing the step on {on} failed {attempt} times ({why})")
     step.capture_log.fallbacks.append(fallback)
-    return fallback
+    return fallback, width
 
 
 def _caller_memory_next(step: CapturingStep, streams: Rung, memory: bool) -> bool:
