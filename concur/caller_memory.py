@@ -9,26 +9,31 @@ current stream stays the caller's through the forward and each op of a side
 stream is launched on that stream from below autograd (a dispatch mode):
 autograd records the caller's stream for every node, so the whole backward
 runs there, from one free list; and the forward's large outputs
-(convolutions on cuDNN, batch norms, max and average pooling, concatenation)
+(convolutions on cuDNN, batch norms on torch's kernel, max and average pooling,
+concatenation)
 are made on the caller's stream through the ops' ``out=`` variants, so the
 saved activations are the caller's blocks too. What the side streams still
 allocate themselves (workspaces, the outputs of other ops) is small.
 
 A block the caller's stream hands out may have been freed there by work
-still queued, so before writing one the side stream waits for the caller's
-stream, unless it already waited after everything the caller's stream was
-given since (its ops, its waits on events). The output is marked used by the
-side stream (``record_stream``; in a CUDA-graph capture the allocator reuses
-it once the graph orders that use first).
+still queued, so the side stream waits for the caller's stream before
+writing an op's outputs, once per op. Waiting only where the caller's stream
+was given work since the last wait also orders every use first, and measured
+no faster (GoogLeNet b64 under 1.05x: 10.65 against 10.66 ms); but PyTorch's
+CUDA sanitizer counts an allocation as a write on the caller's stream and
+cannot see that order. The output is marked used by the side stream
+(``record_stream``; in a CUDA-graph capture the allocator reuses it once the
+graph orders that use first).
 
-Its probe (``experiments/caller_outputs.py``) on the H200 (GoogLeNet and
-Inception-v3 at batch 64, under 1.05x the recipe's peak memory, where the
-plain plans' side streams do not fit): 4 streams kept, 1.10x and 1.08x the
-recipe's speed. Unlimited the plain
-program, its backward on the side streams too, is faster (1.19x and 1.13x):
-:mod:`concur.training.capture` takes this form only after that one ran out
-of memory, where ``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``
-is on (off until this form, not its probe, is measured on a GPU).
+On the H200 (b64 under 1.05x the recipe's peak memory, where the plain
+plans' side streams do not fit): GoogLeNet keeps 4 streams at 1.10x the
+recipe's speed; Inception-v3's trial keeps 4 streams (1.08x), but their
+capture again after the trial runs out of memory, and so does 2 streams',
+so it runs one. Unlimited the plain program, its backward on the side
+streams too, is faster (1.19x and 1.13x): :mod:`concur.training.capture`
+takes this form only after that one ran out of memory, where
+``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY`` is on (off
+until it keeps the streams of both).
 """
 
 from __future__ import annotations
@@ -74,28 +79,16 @@ class CallerMemory(_Mode):  # type: ignore[misc,valid-type]
         super().__init__()
         self.caller = caller
         self.launch: torch.cuda.Stream | None = None  # None: the caller's
-        # what the caller's stream was given since the fork (ops, waits), and how much of it each side stream
-        # has waited for (the fork made each wait for all of it before): a side stream already behind everything
-        # queued there needs no further wait
-        self.issued = 0
-        self.waited: dict[Any, int] = {}
         self.moved = 0
         self.launched = 0
 
-    def caller_issued(self) -> None:
-        """Note work given to the caller's stream outside an op (a wait on another stream's event)."""
-        self.issued += 1
-
     def output(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
                fmt: torch.memory_format) -> torch.Tensor:
-        """An output of the op about to be launched on :attr:`launch`, allocated on the caller's stream."""
-        side = self.launch
+        """An output of the op about to be launched on :attr:`launch`, allocated on the caller's stream; the
+        launch waits for the caller's stream first (:meth:`__torch_dispatch__`)."""
         with torch.cuda.stream(self.caller):
             t = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
-        if self.waited.get(side, 0) != self.issued:  # the block may be one the caller's queued work frees
-            side.wait_stream(self.caller)
-            self.waited[side] = self.issued
-        t.record_stream(side)
+        t.record_stream(self.launch)
         self.moved += 1
         return t
 
@@ -103,15 +96,17 @@ class CallerMemory(_Mode):  # type: ignore[misc,valid-type]
         kwargs = kwargs or {}
         side = self.launch
         if side is None or side == self.caller:
-            self.issued += 1
             return func(*args, **kwargs)
         handler = _HANDLERS.get(func)
         launch = None
         if handler is not None and not kwargs:
+            moved = self.moved
             try:
                 launch = handler(self, args)  # shapes and allocations only; the launch is returned
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 launch = None  # a call the handler cannot read runs as it is, its output the side stream's
+            if self.moved != moved:  # after every output is allocated: a block the caller's queued work frees
+                side.wait_stream(self.caller)
         self.launched += 1
         with torch.cuda.stream(side):
             return launch() if launch is not None else func(*args, **kwargs)
@@ -138,31 +133,22 @@ def _convolution(mode: CallerMemory, args: tuple) -> Callable[[], Any] | None:
     return launch
 
 
-def _batch_norm_with_update(mode: CallerMemory, args: tuple) -> Callable[[], Any] | None:
+def _native_batch_norm(mode: CallerMemory, args: tuple) -> Callable[[], Any] | None:
+    """A batch norm on torch's own kernel (channels-last inputs in half precision, say): its output made on the
+    caller's stream; its statistics (small) in the kernel's accumulation type, sized by the kernel.
+
+    cuDNN's batch norm has no such handler: its ``out=`` variant gives its
+    reserve back as a new tensor, which torch 2.11 cannot return through a
+    dispatch mode (an internal assertion, memory corrupted); nor does
+    ``_batch_norm_with_update``, whose kernel calls it where cuDNN serves the call.
+    """
     x = args[0]
     if not x.is_cuda:
         return None
-    metas = aten._batch_norm_with_update.default(*_meta(args))
     out = mode.output(x.shape, x.dtype, x.device, _memory_format(x))
-    stats = [torch.empty(m.shape, dtype=m.dtype, device=x.device) for m in metas[1:]]  # small
-
-    def launch() -> tuple:
-        return aten._batch_norm_with_update.out(*args, out=out, save_mean=stats[0], save_invstd=stats[1],
-                                                reserve=stats[2])
-    return launch
-
-
-def _batch_norm_out(out_op: Any, names: tuple[str, ...], small: tuple[torch.dtype, ...]) -> Callable:
-    """A handler for a batch norm whose ``out_op`` takes its output, then tensors the kernel sizes itself
-    (statistics, cuDNN's reserve: small, made empty), by ``names``."""
-    def handler(mode: CallerMemory, args: tuple) -> Callable[[], Any] | None:
-        x = args[0]
-        if not x.is_cuda:
-            return None
-        outs = [mode.output(x.shape, x.dtype, x.device, _memory_format(x)),
-                *(torch.empty(0, dtype=dtype, device=x.device) for dtype in small)]
-        return lambda: out_op(*args, **dict(zip(names, outs)))
-    return handler
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stats = [torch.empty(0, dtype=accumulate, device=x.device) for _ in range(2)]
+    return lambda: aten.native_batch_norm.out(*args, out=out, save_mean=stats[0], save_invstd=stats[1])
 
 
 def _max_pool(mode: CallerMemory, args: tuple) -> Callable[[], Any] | None:
@@ -199,11 +185,7 @@ def _cat(mode: CallerMemory, args: tuple) -> Callable[[], Any] | None:
 
 _HANDLERS: dict[Any, Callable[[CallerMemory, tuple], Callable[[], Any] | None]] = {
     aten.convolution.default: _convolution,
-    aten._batch_norm_with_update.default: _batch_norm_with_update,
-    aten.cudnn_batch_norm.default: _batch_norm_out(aten.cudnn_batch_norm.out, ("out0", "out1", "out2", "out3"),
-                                                   (torch.float32, torch.float32, torch.uint8)),
-    aten.native_batch_norm.default: _batch_norm_out(aten.native_batch_norm.out, ("out", "save_mean", "save_invstd"),
-                                                    (torch.float32, torch.float32)),
+    aten.native_batch_norm.default: _native_batch_norm,
     aten.max_pool2d_with_indices.default: _max_pool,
     aten.avg_pool2d.default: _avg_pool,
     aten.cat.default: _cat,

@@ -100,6 +100,7 @@ class StreamRuntime:
 
     def fork(self, *inputs: Any) -> None:
         """Start a call: make every side stream wait for the work already queued by the caller."""
+        self._leave_mode()  # an earlier call that neither joined nor aborted must not leave its mode on torch's stack
         device = cuda_device_in(inputs)
         self.active = device is not None and (self.num_streams > 1 or self.has_weight_grad_stream)
         if not self.active:
@@ -135,8 +136,6 @@ class StreamRuntime:
         """Make the current stream wait for event ``event``."""
         if self.active:
             self._streams[self._current].wait_event(self._events[event])
-            if self._mode is not None and self._current == 0:  # the caller's stream was given work
-                self._mode.caller_issued()
 
     def keep(self, *tensors: Any) -> None:
         """Protect tensors allocated on another stream from reuse while the current stream uses them."""
@@ -162,10 +161,15 @@ class StreamRuntime:
                 t.record_stream(caller)
 
     def abort(self) -> None:
-        """Restore the caller's stream after an exception mid-plan."""
+        """Restore the caller's stream after an exception mid-plan, ordered after the side streams' queued work
+        (what handles the exception reads on the caller's stream what they wrote: a module's buffers, say)."""
         self._leave_mode()
         if self.active and self._streams:
-            torch.cuda.set_stream(self._streams[0])
+            caller = self._streams[0]
+            for s, ev in zip(self._side, self._join_events[1:]):
+                ev.record(s)
+                caller.wait_event(ev)
+            torch.cuda.set_stream(caller)
             self._current = 0
 
     def _leave_mode(self) -> None:

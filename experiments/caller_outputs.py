@@ -27,12 +27,11 @@ Measured (RESULTS.md, "The next levers, probed"): the second form keeps 4
 streams under 1.05x of the recipe's memory, GoogLeNet and Inception-v3 b64
 at 1.10x and 1.08x its speed (since a stem keeps its weight gradient on the
 caller's stream; before, that gradient's cuDNN workspace on the
-weight-gradient stream did not fit). Under PyTorch's CUDA sanitizer both forms report
-races the sanitizer cannot rule out: an output allocated on the caller's
-stream (which it counts as a write there) and written on a side stream that
-waited for the caller's only where the caller was given work since, and
-``new_empty``'s read of its argument (no kernel; no longer called); the first form on
-Inception-v3 stops inside torch there (an internal assert, then a crash).
+weight-gradient stream did not fit). Under PyTorch's CUDA sanitizer the
+second form, on concur's mode (a side stream waits for the caller's before
+each op whose outputs were made there; no cuDNN batch norm moved, whose
+``out=`` variant torch 2.11 cannot return through a dispatch mode), runs
+clean on GoogLeNet and Inception-v3.
 
 The second form is now concur's own (:mod:`concur.caller_memory`, a rung
 that is off by default); the probe gives it to every plan of more than one
@@ -85,12 +84,12 @@ def install(form: str = "outputs") -> None:
     if form not in MODES:
         raise ValueError(f"form must be one of {MODES}, got {form!r}")
     runtime = streams.StreamRuntime
-    names = ("__init__", "fork", "wait", "_leave_mode")
+    names = ("__init__", "fork", "_leave_mode")
     originals = runtime.__dict__.get("_probe_originals") or {name: runtime.__dict__[name] for name in names}
     for name, original in originals.items():  # installed again (another form): from the runtime's own methods
         setattr(runtime, name, original)
     runtime._probe_originals = originals
-    init, fork, wait, leave = (originals[name] for name in names)
+    init, fork, leave = (originals[name] for name in names)
 
     def leave_counting(self: Any) -> None:
         probe, self._probe_mode = getattr(self, "_probe_mode", None), None
@@ -116,10 +115,4 @@ def install(form: str = "outputs") -> None:
             self._probe_mode = CallerOutputs(self._streams[0])  # left at the join or abort, with concur's own
             self._probe_mode.__enter__()
 
-    def waited(self: Any, event: int) -> None:
-        wait(self, event)
-        probe = getattr(self, "_probe_mode", None)
-        if probe is not None and self._current == 0:  # the caller's stream was given work
-            probe.caller_issued()
-
-    runtime.fork, runtime.wait = forked, waited
+    runtime.fork = forked

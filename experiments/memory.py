@@ -47,7 +47,9 @@ the model (``experiments/sweep_models.py``'s ``cuda_setup``: seeded, channels-la
 with momentum 0.9, cross-entropy; forward and loss under bf16 autocast) and
 its step, sets the step up (calls it once; an unfused concur step keeps being
 called while ``step.deciding``, those calls timing its programs; then one call
-more, which captures the program kept where a trial ended) and trains
+more, which captures the program kept where a trial ended, and again while
+that call started another trial: a narrower rung's, where the kept program's
+capture did not fit) and trains
 ``--steps`` steps. Peak allocated and reserved count from the process's
 start, setup included; the steady peaks from after setup (peak statistics
 reset), i.e. what the step holds plus what a step adds. The ms per step come
@@ -75,7 +77,9 @@ again with its side streams' memory and its backward the caller's stream's
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
-memory was short, say). The processes' limits together may exceed the GPU's
+memory was short, say), and its 3N host functions with the most time per step
+under cProfile and the dispatch modes left on torch's stack (``host_profile``:
+where a step's time is the host's). The processes' limits together may exceed the GPU's
 memory with several jobs at large batches; a run the driver cannot serve then
 fails although it fits its limit.
 """
@@ -247,6 +251,30 @@ def _profile_kernels(fn: Callable[[], Any], steps: int, n: int) -> list[dict]:
     return top_kernels(prof.key_averages(), steps, n)
 
 
+def _profile_host(fn: Callable[[], Any], steps: int, n: int) -> dict:
+    """Run ``fn`` ``steps`` times under cProfile: the host's milliseconds per step and the ``n`` functions with the
+    most cumulative time per step; and the dispatch modes left on torch's stack (none, in a step between calls)."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    torch.cuda.synchronize()
+    profiler, start = cProfile.Profile(), time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    wall = (time.perf_counter() - start) / steps
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
+    top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:n]
+    return dict(ms_per_step=round(wall * 1e3, 2),
+                dispatch_modes=[type(m).__name__ for m in _get_current_dispatch_mode_stack()],
+                functions=[dict(function=f"{os.path.basename(f)}:{line} {name}", calls_per_step=c / steps,
+                                ms_per_step=round(cum / steps * 1e3, 2)) for (f, line, name), (c, _, _, cum, _) in top])
+
+
 def _record_failures(row: dict) -> None:
     """Make each failed setup attempt of the concur step (trial, warm-up, capture) add :func:`breakdown` to
     ``row["held_at_failures"]`` before it gives its memory back: what the step held, by pool and stream, when it
@@ -361,24 +389,37 @@ def _train(payload: dict, row: dict) -> None:
     made = [0]  # setup calls made so far, read by the out-of-memory trace
     if payload.get("oom_trace"):
         _trace_out_of_memory(row, made)
+        if payload["who"] == "concur":
+            step = CallLog(step, row.setdefault("call_log", []))
     step(*batch)
     made[0] = 1
-    # an unfused concur step times its programs on its first calls: part of its setup, and of its peak
-    while getattr(step, "deciding", False) and made[0] < MAX_SETUP_CALLS:
+    # An unfused concur step times its programs on its first calls: part of its setup, and of its peak. Where a
+    # trial ended, the next call captures the program kept: setup too, not a steady step; should that capture not
+    # fit, a narrower rung may start a trial of its own, which is setup as well.
+    while made[0] < MAX_SETUP_CALLS:
+        while getattr(step, "deciding", False) and made[0] < MAX_SETUP_CALLS:
+            step(*batch)
+            made[0] += 1
         step(*batch)
         made[0] += 1
+        if not getattr(step, "deciding", False):
+            break
     row["still_deciding"] = bool(getattr(step, "deciding", False))
-    # where the trial ended, this call captures the program kept: setup too, not a steady step
-    step(*batch)
-    calls = made[0]
-    row["setup_calls"] = calls + 1
+    row["setup_calls"] = made[0]
     row["setup_out_of_memory"] = out_of_memory_count()
     setup_peaks = _peaks()
     held = _held()
     row["held_by_pool_and_stream"] = breakdown()
     _reset_peaks()
-    losses = [step(*batch) for _ in range(payload["steps"])]
+    losses, steady_ms = [], []
+    for _ in range(payload["steps"]):  # each step's wall time, synced: a step that captured again stands out
+        start = time.perf_counter()
+        losses.append(step(*batch))
+        if torch.cuda.is_available():  # the tests' children run on the CPU
+            torch.cuda.synchronize()
+        steady_ms.append(round((time.perf_counter() - start) * 1e3, 2))
     steady = _peaks()
+    row["steady_ms"] = steady_ms
     row["losses"] = [float(loss) for loss in losses]  # the same batch each step: runs of one config compare
     row.update(setup_peak_allocated_mb=setup_peaks[0] / MB, setup_peak_reserved_mb=setup_peaks[1] / MB,
                held_allocated_mb=held[0] / MB, held_reserved_mb=held[1] / MB,
@@ -392,8 +433,15 @@ def _train(payload: dict, row: dict) -> None:
 
             row["caller_outputs"] = dict(caller_outputs.COUNTS, form=caller_outputs.form_asked())
     row["ms_per_step"] = _ms_per_step(lambda: step(*batch), payload["timed_steps"])
+    if payload["who"] == "concur" and getattr(step, "status", None) is not None:
+        row["status_after_timing"] = str(step.status)  # captures made by the timed steps show here
+    if payload["who"] == "concur" and payload.get("oom_trace"):
+        from concur import streams as concur_streams  # the trace's streams told apart: made at first use
+
+        row["weight_grad_stream_ids"] = [s.stream_id for s in concur_streams._WEIGHT_GRAD_STREAMS.values()]
     if payload.get("kernels"):
         row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
+        row["host_profile"] = _profile_host(lambda: step(*batch), PROFILED_STEPS, 3 * payload["kernels"])
 
 
 OOM_FRAMES = 8  # the innermost frames of the project's own files, per allocation that ran out
@@ -401,17 +449,55 @@ OOM_FRAMES = 8  # the innermost frames of the project's own files, per allocatio
 
 def _trace_out_of_memory(row: dict, calls: list[int]) -> None:
     """Record in ``row["oom_trace"]`` every allocation that runs out of memory from now on, raised or recovered
-    from: the setup call it came in (0: the first), its MiB, and where (the innermost frames of concur's, the
-    experiments' and the networks' files; aten's own calls, a cuDNN workspace say, have no frame of theirs)."""
+    from: the setup call it came in (0: the first), its MiB, the stream current then, and where (the innermost
+    frames of concur's, the experiments' and the networks' files; aten's own calls, a cuDNN workspace say, have no
+    frame of theirs)."""
     trace = row.setdefault("oom_trace", [])
 
     def observe(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         frames = [f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
                   for f in traceback.extract_stack()[:-1] if OWN_FILES.search(f.filename)]
-        trace.append(dict(call=calls[0], mib=alloc / MB, allocated_mib=device_allocated / MB,
+        stream = _current_stream()  # in a backward, the stream of the node that allocates
+        trace.append(dict(call=calls[0], mib=alloc / MB, allocated_mib=device_allocated / MB, stream=stream,
                           stack=frames[-OOM_FRAMES:]))
 
     torch._C._cuda_attach_out_of_memory_observer(observe)
+
+
+class CallLog:
+    """A concur step whose calls are logged where its captures change: the call (0: the first), its host
+    milliseconds, the captures and failures so far, its trial, the rungs given up, and the last fallback. A step
+    that captures again in its steady state (a trial's next program, a rung tried once more) shows here."""
+
+    def __init__(self, step: Any, log: list):
+        self._step, self._log, self._calls = step, log, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
+
+    def __call__(self, *batch: Any) -> Any:
+        before = (self._step.status.captures, self._step.status.failures)
+        start = time.perf_counter()
+        loss = self._step(*batch)
+        took = (time.perf_counter() - start) * 1e3
+        status = self._step.status
+        if (status.captures, status.failures) != before:
+            trial = getattr(self._step, "_trial", None)
+            self._log.append(dict(call=self._calls, host_ms=round(took, 1), captures=status.captures,
+                                  failures=status.failures, streams=status.streams,
+                                  trial=type(trial).__name__ if trial is not None else None,
+                                  failed_streams=sorted(map(str, getattr(self._step, "failed_streams", ()))),
+                                  fallback=(status.fallbacks or [""])[-1][:160]))
+        self._calls += 1
+        return loss
+
+
+def _current_stream() -> dict | None:
+    """The current CUDA stream's id and priority (the weight-gradient stream's is 0, the lowest); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.current_stream()
+    return dict(id=stream.stream_id, priority=stream.priority)
 
 
 def out_of_memory_count() -> int:
@@ -623,7 +709,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="steps after setup, for the peaks")
     ap.add_argument("--timed-steps", type=int, default=20, help="steps timed with CUDA events, after those")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
-                    help="record each side's N most time-consuming CUDA kernels (profiled steps after the timed ones)")
+                    help="record each side's N most time-consuming CUDA kernels and 3N host functions (profiled steps "
+                         "after the timed ones)")
     ap.add_argument("--streams", nargs="*", default=[], help="more concur rows with these streams (e.g. auto 2)")
     ap.add_argument("--without-streams1", action="store_true",
                     help="no streams=1 row (timing the defaults alone under the limit: one compile fewer per config)")
@@ -643,7 +730,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every concur run tries a rung out of memory again with the caller's memory "
                          "(concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY) before fewer streams")
     ap.add_argument("--oom-trace", action="store_true",
-                    help="record where each allocation that ran out of memory came from (rows' oom_trace)")
+                    help="record where each allocation that ran out of memory came from (rows' oom_trace), and "
+                         "each concur call that changed its captures (rows' call_log)")
     ap.add_argument("--jobs", type=int, default=1, help="configurations side by side (times are then not speeds)")
     ap.add_argument("--timeout", type=float, default=CHILD_TIMEOUT_S, help="seconds for one child")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -43,11 +43,11 @@ def test_the_outputs_form_launches_each_op_on_torchs_current_stream_with_the_sam
     expected.sum().backward()
     assert torch.equal(out, expected)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), plain.parameters()))
-    assert launched and set(launched) == {"side"} and mode.launched == len(launched) and mode.issued == 1
+    assert launched and set(launched) == {"side"} and mode.launched == len(launched)
 
 
 def test_install_gives_the_plans_runtime_each_form_and_a_second_install_starts_from_concurs_own(monkeypatch):
-    for name in ("__init__", "fork", "wait", "_leave_mode"):  # patched: restored after
+    for name in ("__init__", "fork", "_leave_mode"):  # patched: restored after
         monkeypatch.setattr(streams.StreamRuntime, name, getattr(streams.StreamRuntime, name))
     monkeypatch.delattr(streams.StreamRuntime, "_probe_originals", raising=False)
     fork = streams.StreamRuntime.fork

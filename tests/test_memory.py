@@ -596,7 +596,7 @@ def test_the_caller_outputs_probe_runs_only_where_asked_and_the_row_says_so(cpu_
     from concur import streams
     from experiments import caller_outputs
 
-    for name in ("__init__", "fork", "wait", "_leave_mode"):  # patched: restored after
+    for name in ("__init__", "fork", "_leave_mode"):  # patched: restored after
         monkeypatch.setattr(streams.StreamRuntime, name, getattr(streams.StreamRuntime, name))
     monkeypatch.delattr(streams.StreamRuntime, "_probe_originals", raising=False)
     fork, init = streams.StreamRuntime.fork, streams.StreamRuntime.__init__
@@ -615,3 +615,36 @@ def test_the_caller_outputs_probe_runs_only_where_asked_and_the_row_says_so(cpu_
     assert streams.StreamRuntime(2, 0).caller_memory and not streams.StreamRuntime(1, 0).caller_memory
     monkeypatch.setenv(caller_outputs.ENV, "backwards")
     assert memory.child(_payload("concur", "concur", None))["outcome"] == "error"
+
+
+class _Deciding:
+    """A concur step stand-in whose trials run while ``deciding``: call 0 starts one that ends after call 3; call
+    4 captures the program kept and, that not fitting, starts a narrower rung's, which ends after call 7."""
+
+    def __init__(self):
+        self.calls, self.captures = 0, 0
+
+    @property
+    def deciding(self) -> bool:
+        return 1 <= self.calls <= 3 or 5 <= self.calls <= 7
+
+    @property
+    def status(self):
+        import types
+        return types.SimpleNamespace(captures=self.captures, failures=0, streams=1, fallbacks=[])
+
+    def __call__(self, *batch):
+        self.captures += self.calls in (0, 4, 8)
+        self.calls += 1
+        return torch.tensor(1.0)
+
+
+def test_setup_runs_on_while_the_capture_of_the_kept_program_started_another_trial(cpu_child):
+    """And with the out-of-memory trace on, the row logs the calls that captured (faked observer: no allocator)."""
+    steps = []
+    cpu_child.setattr(torch._C, "_cuda_attach_out_of_memory_observer", lambda observer: None)
+    cpu_child.setattr(memory, "_concur_step", lambda *a, **k: steps.append(_Deciding()) or steps[-1])
+    row = memory.child(dict(_payload("concur", "concur", None), oom_trace=True))
+    assert row["setup_calls"] == 9 and not row["still_deciding"], "the second trial and its capture are setup"
+    assert [c["call"] for c in row["call_log"]] == [0, 4, 8] and row["call_log"][-1]["captures"] == 3
+    assert steps[0].deciding is False and len(row["losses"]) == _payload("concur", "concur", None)["steps"]
