@@ -166,9 +166,12 @@ class StreamRuntime:
         self._leave_mode()
         if self.active and self._streams:
             caller = self._streams[0]
-            for s, ev in zip(self._side, self._join_events[1:]):
-                ev.record(s)
-                caller.wait_event(ev)
+            try:
+                for s, ev in zip(self._side, self._join_events[1:]):
+                    ev.record(s)
+                    caller.wait_event(ev)
+            except RuntimeError:  # a capture the error invalidated refuses them; it is given up, not waited on
+                pass
             torch.cuda.set_stream(caller)
             self._current = 0
 

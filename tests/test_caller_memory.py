@@ -169,6 +169,18 @@ def test_without_grad_or_after_an_exception_the_runtime_holds_no_mode(runtime):
     assert log == ["record j1 on side", "caller waits for j1"]
 
 
+def test_an_abort_inside_a_capture_the_error_invalidated_still_restores_the_callers_stream(runtime, monkeypatch):
+    rt, caller, _, _, current = runtime
+    rt.fork("x")
+    rt.switch(1)
+
+    def refused(stream):
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    monkeypatch.setattr(rt._join_events[1], "record", refused)
+    rt.abort()  # the error being handled is the one raised, not this one
+    assert current[0] is caller and rt._current == 0 and rt._mode is None
+
+
 def test_a_fork_after_a_call_that_never_joined_leaves_that_calls_mode(runtime):
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
