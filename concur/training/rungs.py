@@ -34,10 +34,10 @@ LEAN_POOLS_FIRST = False
 MEMORY_MODEL_FIRST = "forward"
 
 # Whether an unfused rung that ran out of memory is tried once more with its side streams' memory and its whole
-# backward on the caller's stream (concur.caller_memory) before fewer streams. Its probe kept the streams where
-# the plain program's side streams do not fit (experiments/caller_outputs.py; H200, b64 under 1.05x the recipe's
-# memory: GoogLeNet 1.10x, Inception-v3 1.08x the recipe's speed, where 2 streams did not fit and one ran 1.00x);
-# off while this form of it has not run on a GPU: `experiments/memory.py --caller-memory` weighs it
+# backward on the caller's stream (concur.caller_memory) before fewer streams. On the H200, b64 under 1.05x the
+# recipe's memory, where 2 streams do not fit and one runs 1.00x: GoogLeNet keeps 4 streams, 1.10x the recipe's
+# speed; Inception-v3's 4 fit with 7 MB to spare, and their capture again after the step's trial does not, so
+# it runs one. Off until it keeps both: `experiments/memory.py --caller-memory` weighs it
 CALLER_MEMORY_AFTER_OUT_OF_MEMORY = False
 
 
