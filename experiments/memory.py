@@ -99,7 +99,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +107,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from experiments import peers
+from experiments.memory_records import (MB, PROFILED_STEPS, CallLog, breakdown, out_of_memory_count, profile_host,
+                                        profile_kernels, trace_out_of_memory)
 from experiments.sweep_models import cuda_setup as setup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,12 +122,9 @@ TRIALS = ("one-at-a-time", "side-by-side")
 ROW_MARK = "MEMORY_ROW "  # the child's row among whatever else torch prints to stdout
 MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past this it is measured as it stands
 CHILD_TIMEOUT_S = 3600.0
-PROFILED_STEPS = 5  # steps profiled for --kernels, after the timed ones
-MB = 2**20
 PROBE_ENV = "CONCUR_PROBE_CALLER_OUTPUTS"  # experiments/caller_outputs.py's switch, imported by concur children only
 # the switches that apply to every concur child of a run (--unsplit-weight-grads ...): payloads and rows carry each
 SWITCHES = ("unsplit_weight_grads", "serial_weight_grads", "caller_memory")
-OWN_FILES = re.compile(r"[/\\](concur|experiments|torchvision|timm)[/\\]")  # frames an out-of-memory trace keeps
 FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
                       re.IGNORECASE)
 
@@ -228,53 +226,6 @@ def _ms_per_step(fn: Callable[[], Any], steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
-def top_kernels(averages: Iterable[Any], steps: int, n: int) -> list[dict]:
-    """The ``n`` kernels of ``torch.profiler``'s ``key_averages()`` that took the most device time, per step of
-    ``steps``: name (cut to 160 characters), microseconds and calls."""
-    timed = [(e.key, getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0), e.count)
-             for e in averages]
-    timed = [t for t in timed if t[1] > 0]
-    timed.sort(key=lambda t: -t[1])
-    return [dict(kernel=name[:160], us_per_step=round(us / steps, 2), calls_per_step=round(count / steps, 2))
-            for name, us, count in timed[:n]]
-
-
-def _profile_kernels(fn: Callable[[], Any], steps: int, n: int) -> list[dict]:
-    """Run ``fn`` ``steps`` times under the profiler (CUDA activity only); return :func:`top_kernels`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return top_kernels(prof.key_averages(), steps, n)
-
-
-def _profile_host(fn: Callable[[], Any], steps: int, n: int) -> dict:
-    """Run ``fn`` ``steps`` times under cProfile: the host's milliseconds per step and the ``n`` functions with the
-    most cumulative time per step; and the dispatch modes left on torch's stack (none, in a step between calls)."""
-    import cProfile
-    import pstats
-
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    torch.cuda.synchronize()
-    profiler, start = cProfile.Profile(), time.perf_counter()
-    profiler.enable()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    profiler.disable()
-    wall = (time.perf_counter() - start) / steps
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own, cumulative, callers)
-    top = sorted(stats.items(), key=lambda kv: -kv[1][3])[:n]
-    return dict(ms_per_step=round(wall * 1e3, 2),
-                dispatch_modes=[type(m).__name__ for m in _get_current_dispatch_mode_stack()],
-                functions=[dict(function=f"{os.path.basename(f)}:{line} {name}", calls_per_step=c / steps,
-                                ms_per_step=round(cum / steps * 1e3, 2)) for (f, line, name), (c, _, _, cum, _) in top])
-
-
 def _record_failures(row: dict) -> None:
     """Make each failed setup attempt of the concur step (trial, warm-up, capture) add :func:`breakdown` to
     ``row["held_at_failures"]`` before it gives its memory back: what the step held, by pool and stream, when it
@@ -344,21 +295,6 @@ def _streams_kept(step: Any) -> dict:
     return found
 
 
-def breakdown() -> dict[str, list[float]]:
-    """Reserved and allocated MB by memory pool and stream, from the caching allocator's segments: a graph's
-    private pool apart from the default one, each stream's blocks apart (a block serves only its stream)."""
-    by: dict[str, list[float]] = {}
-    streams: dict[int, str] = {}
-    for segment in torch.cuda.memory_snapshot():
-        pool = tuple(segment.get("segment_pool_id", (0, 0)))
-        stream = streams.setdefault(segment["stream"], f"stream{len(streams)}")
-        key = f"{'default' if pool == (0, 0) else f'pool{pool[0]}.{pool[1]}'} {stream}"
-        entry = by.setdefault(key, [0.0, 0.0])
-        entry[0] += segment["total_size"] / MB
-        entry[1] += segment["allocated_size"] / MB
-    return {k: [round(r, 1), round(a, 1)] for k, (r, a) in sorted(by.items())}
-
-
 def _is_oom(exc: BaseException) -> bool:
     """Whether ``exc`` or what it wraps (inductor and concur re-raise) ran out of device memory."""
     seen = 0
@@ -388,7 +324,7 @@ def _train(payload: dict, row: dict) -> None:
                             **{s: bool(payload.get(s)) for s in SWITCHES})
     made = [0]  # setup calls made so far, read by the out-of-memory trace
     if payload.get("oom_trace"):
-        _trace_out_of_memory(row, made)
+        trace_out_of_memory(row, made)
         if payload["who"] == "concur":
             step = CallLog(step, row.setdefault("call_log", []))
     step(*batch)
@@ -440,70 +376,8 @@ def _train(payload: dict, row: dict) -> None:
 
         row["weight_grad_stream_ids"] = [s.stream_id for s in concur_streams._WEIGHT_GRAD_STREAMS.values()]
     if payload.get("kernels"):
-        row["top_kernels"] = _profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
-        row["host_profile"] = _profile_host(lambda: step(*batch), PROFILED_STEPS, 3 * payload["kernels"])
-
-
-OOM_FRAMES = 8  # the innermost frames of the project's own files, per allocation that ran out
-
-
-def _trace_out_of_memory(row: dict, calls: list[int]) -> None:
-    """Record in ``row["oom_trace"]`` every allocation that runs out of memory from now on, raised or recovered
-    from: the setup call it came in (0: the first), its MiB, the stream current then, and where (the innermost
-    frames of concur's, the experiments' and the networks' files; aten's own calls, a cuDNN workspace say, have no
-    frame of theirs)."""
-    trace = row.setdefault("oom_trace", [])
-
-    def observe(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        frames = [f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
-                  for f in traceback.extract_stack()[:-1] if OWN_FILES.search(f.filename)]
-        stream = _current_stream()  # in a backward, the stream of the node that allocates
-        trace.append(dict(call=calls[0], mib=alloc / MB, allocated_mib=device_allocated / MB, stream=stream,
-                          stack=frames[-OOM_FRAMES:]))
-
-    torch._C._cuda_attach_out_of_memory_observer(observe)
-
-
-class CallLog:
-    """A concur step whose calls are logged where its captures change: the call (0: the first), its host
-    milliseconds, the captures and failures so far, its trial, the rungs given up, and the last fallback. A step
-    that captures again in its steady state (a trial's next program, a rung tried once more) shows here."""
-
-    def __init__(self, step: Any, log: list):
-        self._step, self._log, self._calls = step, log, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._step, name)
-
-    def __call__(self, *batch: Any) -> Any:
-        before = (self._step.status.captures, self._step.status.failures)
-        start = time.perf_counter()
-        loss = self._step(*batch)
-        took = (time.perf_counter() - start) * 1e3
-        status = self._step.status
-        if (status.captures, status.failures) != before:
-            trial = getattr(self._step, "_trial", None)
-            self._log.append(dict(call=self._calls, host_ms=round(took, 1), captures=status.captures,
-                                  failures=status.failures, streams=status.streams,
-                                  trial=type(trial).__name__ if trial is not None else None,
-                                  failed_streams=sorted(map(str, getattr(self._step, "failed_streams", ()))),
-                                  fallback=(status.fallbacks or [""])[-1][:160]))
-        self._calls += 1
-        return loss
-
-
-def _current_stream() -> dict | None:
-    """The current CUDA stream's id and priority (the weight-gradient stream's is 0, the lowest); None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    stream = torch.cuda.current_stream()
-    return dict(id=stream.stream_id, priority=stream.priority)
-
-
-def out_of_memory_count() -> int:
-    """The allocations this process's allocator could not serve so far: those raised, and those an operation
-    recovered from (cuDNN then runs, and keeps, a convolution algorithm with a smaller workspace)."""
-    return int(torch.cuda.memory_stats().get("num_ooms", 0))
+        row["top_kernels"] = profile_kernels(lambda: step(*batch), PROFILED_STEPS, payload["kernels"])
+        row["host_profile"] = profile_host(lambda: step(*batch), PROFILED_STEPS, 3 * payload["kernels"])
 
 
 def base_row(payload: dict) -> dict:

@@ -84,7 +84,7 @@ def run_subset(subset: Subset, plans: list[tuple[Any, Any]], streams: int) -> No
 
 
 def pool_by_stream(segments: dict[str, list[float]]) -> dict[str, float]:
-    """Reserved MB of the newest graph pool by stream, from :func:`experiments.memory.breakdown`'s keys
+    """Reserved MB of the newest graph pool by stream, from :func:`experiments.memory_records.breakdown`'s keys
     (``"poolA.B streamN"``; the default pool is left out)."""
     pools = {key.split()[0] for key in segments if key.startswith("pool")}
     newest = max(pools, key=lambda p: tuple(int(x) for x in p[4:].split(".")), default=None)

@@ -122,13 +122,6 @@ def test_the_fraction_is_the_limit_over_the_devices_total_and_set_before_setup(m
     assert memory.memory_fraction(5000 * MB, 4000 * MB) == 1.0  # torch refuses a fraction over 1
 
 
-def test_a_row_counts_the_allocations_out_of_memory_those_recovered_from_too(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: {"num_ooms": 3, "num_alloc_retries": 5})
-    assert memory.out_of_memory_count() == 3
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: {})  # no CUDA allocator started
-    assert memory.out_of_memory_count() == 0
-
-
 def test_each_concur_child_gets_a_fresh_decision_cache_of_its_own(tmp_path, monkeypatch):
     seen = {}
 
@@ -532,17 +525,6 @@ def test_a_real_child_runs_from_any_folder_and_its_row_comes_back(tmp_path, monk
     assert row["exit_code"] == 0 and row["concur_loaded"] is False
 
 
-def test_the_breakdown_keeps_pools_and_streams_apart(monkeypatch):
-    """A graph pool's side-stream blocks are what a multi-stream step adds: the breakdown must show them apart."""
-    segments = [dict(segment_pool_id=(0, 0), stream=0, total_size=2 * MB, allocated_size=MB),
-                dict(segment_pool_id=(0, 4), stream=77, total_size=10 * MB, allocated_size=4 * MB),
-                dict(segment_pool_id=(0, 4), stream=77, total_size=6 * MB, allocated_size=0),
-                dict(segment_pool_id=(0, 4), stream=91, total_size=3 * MB, allocated_size=3 * MB)]
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert memory.breakdown() == {"default stream0": [2.0, 1.0], "pool0.4 stream1": [16.0, 4.0],
-                                  "pool0.4 stream2": [3.0, 3.0]}
-
-
 def test_kernels_profile_each_side_after_its_timed_steps_and_keep_the_slowest(cpu_child):
     """``--kernels N``: the row names the N kernels that took the most device time per step; off by default."""
     profiled = []
@@ -552,26 +534,12 @@ def test_kernels_profile_each_side_after_its_timed_steps_and_keep_the_slowest(cp
         fn()
         return [dict(kernel="k", us_per_step=1.0, calls_per_step=1.0)]
 
-    cpu_child.setattr(memory, "_profile_kernels", profile)
+    cpu_child.setattr(memory, "profile_kernels", profile)
     assert "top_kernels" not in memory.child(_payload("recipe", "recipe", None)) and not profiled
     row = memory.child({**_payload("recipe", "recipe", None), "kernels": 3})
     assert profiled == [(memory.PROFILED_STEPS, 3)] and row["top_kernels"][0]["kernel"] == "k"
     assert memory.parse_args(["--out", "x", "--kernels", "4"]).kernels == 4
     assert memory.parse_args(["--out", "x"]).kernels == 0
-
-
-def test_top_kernels_are_the_n_longest_per_step_and_skip_host_only_events():
-    from types import SimpleNamespace as E
-
-    averages = [E(key="aten::conv", device_time_total=0.0, count=10),  # host-side: no device time of its own
-                E(key="cudnn_sm90_conv_fprop", device_time_total=900.0, count=30),
-                E(key="triton_poi_fused_relu", device_time_total=300.0, count=60),
-                E(key="Memcpy HtoD", device_time_total=30.0, count=3)]
-    top = memory.top_kernels(averages, steps=3, n=2)
-    assert top == [dict(kernel="cudnn_sm90_conv_fprop", us_per_step=300.0, calls_per_step=10.0),
-                   dict(kernel="triton_poi_fused_relu", us_per_step=100.0, calls_per_step=20.0)]
-    older = [E(key="k", cuda_time_total=6.0, count=3)]  # torch that names it cuda_time_total
-    assert memory.top_kernels(older, steps=3, n=5) == [dict(kernel="k", us_per_step=2.0, calls_per_step=1.0)]
 
 
 def test_a_concur_row_has_what_the_step_held_at_each_failed_attempt(monkeypatch):
