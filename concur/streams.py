@@ -150,12 +150,7 @@ class StreamRuntime:
         if not self.active:
             return
         self._leave_mode()
-        caller = self._streams[0]
-        for s, ev in zip(self._side, self._join_events[1:]):
-            ev.record(s)
-            caller.wait_event(ev)
-        torch.cuda.set_stream(caller)
-        self._current = 0
+        caller = self._back_on_caller()
         for t in tensors_in(outputs):
             if t.is_cuda:
                 t.record_stream(caller)
@@ -165,15 +160,21 @@ class StreamRuntime:
         (what handles the exception reads on the caller's stream what they wrote: a module's buffers, say)."""
         self._leave_mode()
         if self.active and self._streams:
-            caller = self._streams[0]
             try:
-                for s, ev in zip(self._side, self._join_events[1:]):
-                    ev.record(s)
-                    caller.wait_event(ev)
-            except RuntimeError:  # a capture the error invalidated refuses them; it is given up, not waited on
-                pass
-            torch.cuda.set_stream(caller)
-            self._current = 0
+                self._back_on_caller()
+            except RuntimeError:  # a capture the error invalidated refuses the events; it is given up, not waited on
+                torch.cuda.set_stream(self._streams[0])
+                self._current = 0
+
+    def _back_on_caller(self) -> torch.cuda.Stream:
+        """Make the caller's stream wait for every side stream's queued work and current again; return it."""
+        caller = self._streams[0]
+        for s, ev in zip(self._side, self._join_events[1:]):
+            ev.record(s)
+            caller.wait_event(ev)
+        torch.cuda.set_stream(caller)
+        self._current = 0
+        return caller
 
     def _leave_mode(self) -> None:
         mode, self._mode = self._mode, None

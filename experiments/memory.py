@@ -331,14 +331,13 @@ def _train(payload: dict, row: dict) -> None:
     made[0] = 1
     # An unfused concur step times its programs on its first calls: part of its setup, and of its peak. Where a
     # trial ended, the next call captures the program kept: setup too, not a steady step; should that capture not
-    # fit, a narrower rung may start a trial of its own, which is setup as well.
+    # fit, a narrower rung may start a trial of its own, which is setup as well. Setup ends with a call that
+    # neither found nor left a trial running.
     while made[0] < MAX_SETUP_CALLS:
-        while getattr(step, "deciding", False) and made[0] < MAX_SETUP_CALLS:
-            step(*batch)
-            made[0] += 1
+        deciding = getattr(step, "deciding", False)
         step(*batch)
         made[0] += 1
-        if not getattr(step, "deciding", False):
+        if not deciding and not getattr(step, "deciding", False):
             break
     row["still_deciding"] = bool(getattr(step, "deciding", False))
     row["setup_calls"] = made[0]

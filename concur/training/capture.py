@@ -190,9 +190,8 @@ def _caller_memory_next(step: CapturingStep, streams: Rung, memory: bool) -> boo
 def _caller_memory_said(step: CapturingStep, streams: Rung) -> str:
     """", its side streams' memory and its backward the caller's stream's" where that rung's plan runs so."""
     plan = _plan_of(step, streams)
-    runtime = getattr(plan, "runtime", None)
     return ", its side streams' memory and its backward the caller's stream's" \
-        if getattr(runtime, "caller_memory", False) else ""
+        if plan is not None and plan.runtime.caller_memory else ""
 
 
 def release_cublas_workspaces(step: CapturingStep) -> None:
