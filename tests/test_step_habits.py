@@ -140,6 +140,9 @@ class EmulatedGraphs:
     def release_old_pool(self):
         pass
 
+    def empty_cache(self):
+        pass
+
     def can_time(self, device):  # a step's streams are not timed on CPU (tests that time fake it)
         return False
 

@@ -142,6 +142,10 @@ class CudaGraphRunner:
             self._old_pool_held = False
             _give_back_unreferenced()
 
+    def empty_cache(self) -> None:
+        """Give every cached block that no live tensor uses back to the device, once the queued work is done."""
+        torch.cuda.empty_cache()
+
     def can_time(self, device: torch.device) -> bool:
         """Whether :meth:`time_programs` can time on ``device`` now (:func:`concur.dag.measure.can_time`)."""
         return can_time(device)
