@@ -70,10 +70,11 @@ for the rest of the process); ``--oom-trace`` adds where each came from
 gradient on the layer's own stream (``split_weight_grads=False``);
 ``--serial-weight-grads`` runs every concur side with its one-stream plans
 splitting weight gradients too (``concur.fx.plan.SERIAL_WEIGHT_GRADS``: the
-model's own forward, the weight gradients on their stream); ``--caller-memory``
-runs every concur side with an unfused rung that ran out of memory tried
-again with its side streams' memory and its backward the caller's stream's
-(``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``). ``--kernels N``
+model's own forward, the weight gradients on their stream);
+``--without-caller-memory`` runs every concur side without the rung that
+tries an unfused program that ran out of memory again with its side streams'
+memory and its backward the caller's stream's
+(``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY`` off). ``--kernels N``
 profiles a few steps more and records each side's N CUDA kernels that take
 the most time per step: where two sides of one configuration differ in
 speed, which kernels differ (a convolution whose algorithm was chosen while
@@ -124,7 +125,7 @@ MAX_SETUP_CALLS = 60  # an unfused concur step decides in 16 calls or more; past
 CHILD_TIMEOUT_S = 3600.0
 PROBE_ENV = "CONCUR_PROBE_CALLER_OUTPUTS"  # experiments/caller_outputs.py's switch, imported by concur children only
 # the switches that apply to every concur child of a run (--unsplit-weight-grads ...): payloads and rows carry each
-SWITCHES = ("unsplit_weight_grads", "serial_weight_grads", "caller_memory")
+SWITCHES = ("unsplit_weight_grads", "serial_weight_grads", "without_caller_memory")
 FALLBACK = re.compile(r"fall(s|ing)? back|runs? eagerly|eager execution|on one stream, because|on 1 stream instead",
                       re.IGNORECASE)
 
@@ -246,7 +247,7 @@ def _record_failures(row: dict) -> None:
 def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable, batch: tuple, path: str,
                  streams: int | str | None, trial: str = TRIALS[0], lean_pools: bool = False,
                  memory_model: str = "forward", unsplit_weight_grads: bool = False,
-                 serial_weight_grads: bool = False, caller_memory: bool = False) -> Any:
+                 serial_weight_grads: bool = False, without_caller_memory: bool = False) -> Any:
     import concur  # here only: the recipe's processes must not load it
     from concur.fx import plan
     from concur.training import rungs, trial as trial_policy
@@ -254,7 +255,8 @@ def _concur_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Callable,
     trial_policy.SIDE_BY_SIDE = trial == "side-by-side"  # how an unfused step's first calls time its programs
     rungs.LEAN_POOLS_FIRST = lean_pools  # whether its first plans already save no max-pooling indices
     rungs.MEMORY_MODEL_FIRST = memory_model  # what its plans count of memory
-    rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY = caller_memory  # a rung out of memory tried with the caller's memory
+    if without_caller_memory:  # no rung out of memory tried again with the caller's memory
+        rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY = False
     if os.environ.get(PROBE_ENV):  # a probe (experiments/caller_outputs.py), over concur's caller memory
         from experiments import caller_outputs
 
@@ -599,9 +601,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serial-weight-grads", action="store_true",
                     help="every concur run's one-stream plans split weight gradients too (concur.fx.plan."
                          "SERIAL_WEIGHT_GRADS): a serial forward, the weight gradients on their own stream")
-    ap.add_argument("--caller-memory", action="store_true",
-                    help="every concur run tries a rung out of memory again with the caller's memory "
-                         "(concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY) before fewer streams")
+    ap.add_argument("--without-caller-memory", action="store_true",
+                    help="no concur run tries a rung out of memory again with the caller's memory before fewer "
+                         "streams (concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY off)")
     ap.add_argument("--oom-trace", action="store_true",
                     help="record where each allocation that ran out of memory came from (rows' oom_trace), and "
                          "each concur call that changed its captures (rows' call_log)")

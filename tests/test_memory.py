@@ -344,17 +344,17 @@ def test_serial_weight_grads_makes_one_stream_plans_split_and_the_row_says_so(cp
     assert memory.child(_payload("recipe", "recipe", None))["serial_weight_grads"] is None
 
 
-@pytest.mark.parametrize("caller", [False, True])
-def test_caller_memory_lets_every_concur_step_retry_a_rung_with_the_callers_memory_and_the_row_says_so(cpu_child,
-                                                                                                       caller):
+@pytest.mark.parametrize("without", [False, True])
+def test_without_caller_memory_runs_every_concur_step_without_the_callers_memory_rung_and_the_row_says_so(cpu_child,
+                                                                                                         without):
     from concur.training import rungs
 
-    row = memory.child(dict(_payload("concur", "concur", None), caller_memory=caller))
-    assert row["outcome"] != "error" and row["caller_memory"] is caller
-    assert rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY is caller
-    assert memory.child(_payload("recipe", "recipe", None))["caller_memory"] is None
+    row = memory.child(dict(_payload("concur", "concur", None), without_caller_memory=without))
+    assert row["outcome"] != "error" and row["without_caller_memory"] is without
+    assert rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY is not without  # concur's default: on
+    assert memory.child(_payload("recipe", "recipe", None))["without_caller_memory"] is None
     assert memory._payload(memory.Config("googlenet", 64, "unfused"), memory.Side("concur", "concur", None),
-                           memory.parse_args(["--out", "x", "--caller-memory"]), None)["caller_memory"]
+                           memory.parse_args(["--out", "x", "--without-caller-memory"]), None)["without_caller_memory"]
 
 
 def test_the_out_of_memory_trace_records_each_allocation_that_ran_out_with_its_call_and_frames(cpu_child):

@@ -429,6 +429,7 @@ def test_where_the_predicted_program_alone_does_not_fit_either_the_step_runs_one
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             return super().capture(body, step)
 
+    monkeypatch.setattr(rungs, "CALLER_MEMORY_AFTER_OUT_OF_MEMORY", False)  # the ladder of stream counts alone
     with pytest.warns(UserWarning, match="does not fit in memory .*2.00 GiB"):
         step = trial_run(monkeypatch, OutOfMemoryTwice(one_ms=1.0, streams_ms=1.2))
     assert step.failed_streams == {4} and step.status.streams == 1 and step.status.captured
@@ -456,7 +457,9 @@ def test_an_unfused_step_on_4_streams_that_does_not_fit_runs_2_streams_and_times
         monkeypatch):
     """Side streams keep their blocks apart, so 2 streams may fit where 4 do not: the step tries 2 before 1,
     times its 2-stream program against one stream on its first calls as it would have the 4, and keeps it.
-    One warning says what 4 streams missed and what runs; the run equals the plain loop."""
+    One warning says what 4 streams missed and what runs; the run equals the plain loop. (The ladder of stream
+    counts alone: the caller-memory rung, tried first by default, is the next test's.)"""
+    monkeypatch.setattr(rungs, "CALLER_MEMORY_AFTER_OUT_OF_MEMORY", False)
     runner = OutOfMemoryOn({4}, one_ms=1.0, streams_ms=0.8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -471,6 +474,41 @@ def test_an_unfused_step_on_4_streams_that_does_not_fit_runs_2_streams_and_times
     status = step.status
     assert status.captured and status.streams == 2 and "4 streams does not fit in memory" in status.why
     assert "2 streams of 4 asked for" in str(status)
+
+
+class OutOfMemoryWithoutCallerMemory(TrialGraphs):
+    """Every capture of a multi-stream plan whose side streams keep their own memory runs out of it; the same plan
+    with its side streams' memory and its backward the caller's stream's (concur.caller_memory) fits."""
+
+    def __init__(self, **timing):
+        super().__init__(**timing)
+        self.tried = []
+
+    def capture(self, body, step):
+        plan = step.module.plan
+        self.tried.append((plan.schedule.num_streams, plan.runtime.caller_memory))
+        if plan.schedule.num_streams > 1 and not plan.runtime.caller_memory:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 170.00 MiB")
+        return super().capture(body, step)
+
+
+def test_by_default_a_step_on_4_streams_that_does_not_fit_keeps_them_with_the_callers_memory(monkeypatch):
+    """By default an unfused rung that runs out of memory is captured once more on as many streams with the
+    caller's memory before fewer streams; its first calls time it against one stream as any plan's, and the
+    program kept is captured again with the caller's memory. One warning says what was missing and what runs."""
+    runner = OutOfMemoryWithoutCallerMemory(one_ms=1.0, streams_ms=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = trial_run(monkeypatch, runner, model_fn=four_towers, n=40)
+    said = [str(w.message) for w in caught if "concur.train_step" in str(w.message)]
+    assert said == ["concur.train_step: the step on 4 streams does not fit in memory (an allocation of 170.00 MiB "
+                    "did not fit); running it on 4 streams, its side streams' memory and its backward the caller's "
+                    "stream's instead, for this and later input shapes."], said
+    assert runner.tried == [(4, False), (4, True), (1, False), (4, True)], runner.tried
+    assert step.failed_streams == set() and step.caller_memory and step.module is step.modules[4]
+    plain, timed = step.step_decisions  # by prediction where the plain capture failed, then the caller-memory one's
+    assert plain.source == "prediction" and timed.source == "measurement" and timed.keep
+    assert step.status.captured and step.status.streams == 4
 
 
 def test_where_2_streams_do_not_fit_either_the_step_runs_one_and_one_warning_says_what_each_missed(monkeypatch):

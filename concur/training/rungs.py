@@ -38,7 +38,7 @@ MEMORY_MODEL_FIRST = "forward"
 # recipe's memory, where 2 streams do not fit and one runs 1.00x: GoogLeNet keeps 4 streams, 1.10x the recipe's
 # speed; Inception-v3's 4 fit with 7 MB to spare, and their capture again after the step's trial does not, so
 # it runs one. Off until it keeps both: `experiments/memory.py --caller-memory` weighs it
-CALLER_MEMORY_AFTER_OUT_OF_MEMORY = False
+CALLER_MEMORY_AFTER_OUT_OF_MEMORY = True
 
 
 class _Asked(Protocol):
