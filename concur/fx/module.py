@@ -354,8 +354,8 @@ def optimize(model: nn.Module, example_inputs: tuple, streams: int | str = 4,
     activation is the caller's stream's memory and the whole backward runs
     there (:mod:`concur.caller_memory`). The same outputs and gradients; a
     training step short of memory keeps its streams so, where the plain
-    program's side streams do not fit (:func:`concur.train_step` can take it
-    then, with ``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``;
+    program's side streams do not fit (:func:`concur.train_step` takes it
+    then, by default: ``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``;
     unlimited, the plain program is faster). Where this torch has no
     dispatch modes it is off.
     """

@@ -15,7 +15,7 @@ a new pool. One that runs out of memory keeps the streams where memory
 allows: a compiled step first takes its backward graphs' multi-stream
 programs down, to 2 streams, then with aten's calls on the caller's stream,
 then to one (the step's peak is at the start of backward); an unfused step
-(with :data:`concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY` on)
+(:data:`concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY`, on by default)
 first captures the same streams again with its side streams' memory and its
 whole backward the caller's stream's (:mod:`concur.caller_memory`), then,
 on more than 2 streams, tries 2 (:mod:`concur.training.rungs`), its
@@ -181,8 +181,8 @@ def _give_up_on(step: CapturingStep, streams: Rung, why: str, memory: bool, atte
 def _caller_memory_next(step: CapturingStep, streams: Rung, memory: bool) -> bool:
     """Whether an unfused rung that ran out of memory is tried again with its side streams' memory and its whole
     backward on the caller's stream (:mod:`concur.caller_memory`), before fewer streams: under pressure it
-    can keep the streams (GoogLeNet b64 under 1.05x the recipe's memory: 1.10x its speed, where 2 streams did
-    not fit; :data:`concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY`)."""
+    keeps the streams (GoogLeNet and Inception-v3 b64 under 1.05x the recipe's memory: 1.11x and 1.08x its speed,
+    where 2 streams did not fit; :data:`concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY`)."""
     return (memory and not step.compile and streams != 1 and not step.caller_memory
             and rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY and caller_memory_available())
 
