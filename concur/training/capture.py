@@ -525,11 +525,10 @@ def static_batch(step: CapturingStep, inputs: tuple, targets: Any) -> tuple[tupl
     the cache holds freed blocks (the batch check's activations, a plan's
     analysis), each takes a piece of a larger block, and the rest of that
     block's segment stays reserved beside the graph's pool, where the
-    capture cannot have it: capturing Inception-v3 b64 again after its
-    trial began with 86 MB more reserved this way than its first capture,
-    and missed 170 MiB under 1.05x the recipe's memory. So the workspaces
-    (where no graph replays into them) and the cache are given back first;
-    the workspaces are made again where the warm-up needs them.
+    capture cannot have it (Inception-v3 b64 captured again after its
+    trial: 86 MB held so, where its margin under 1.05x the recipe's memory
+    is 83). So the workspaces (where no graph replays into them) and the
+    cache are given back first; the warm-up makes the workspaces it needs.
     """
     release_cublas_workspaces(step)
     step._runner.empty_cache()
