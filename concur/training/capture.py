@@ -114,8 +114,9 @@ def capture_with_fallback(step: CapturingStep, inputs: tuple, targets: Any, key:
     what it held is given back. One that runs out of memory is not: a
     compiled step first takes its backward graphs' multi-stream programs
     down a step at a time, capturing again after each (:func:`_capture_on`);
-    an unfused step on more than 2 streams tries 2
-    (:func:`concur.training.rungs.stream_rungs`).
+    an unfused step first captures the same streams with the caller's
+    memory (:func:`_caller_memory_next`), then, on more than 2 streams,
+    tries 2 (:func:`concur.training.rungs.stream_rungs`).
     Where that does not fit either, the step drops to one stream. Each rung
     that failed is not tried again, for this and later input shapes;
     one warning says how much memory was missing and what runs instead.
