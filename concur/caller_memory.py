@@ -26,14 +26,12 @@ cannot see that order. The output is marked used by the side stream
 graph orders that use first).
 
 On the H200 (b64 under 1.05x the recipe's peak memory, where the plain
-plans' side streams do not fit): GoogLeNet keeps 4 streams at 1.10x the
-recipe's speed; Inception-v3's trial keeps 4 streams (1.08x), but their
-capture again after the trial runs out of memory, and so does 2 streams',
-so it runs one. Unlimited the plain program, its backward on the side
-streams too, is faster (1.19x and 1.13x): :mod:`concur.training.capture`
-takes this form only after that one ran out of memory, where
-``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY`` is on (off
-until it keeps the streams of both).
+plans' side streams do not fit): GoogLeNet and Inception-v3 keep 4 streams,
+1.11x and 1.08x the recipe's speed. Unlimited the plain program, its
+backward on the side streams too, is faster (1.19x and 1.13x):
+:mod:`concur.training.capture` takes this form only after that one ran out
+of memory (``concur.training.rungs.CALLER_MEMORY_AFTER_OUT_OF_MEMORY``, on
+by default).
 """
 
 from __future__ import annotations

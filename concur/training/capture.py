@@ -55,7 +55,7 @@ from concur.training.step_body import StepBody
 from concur.training.trial import OneAtATime, StepTrial
 
 __all__ = ["CapturingStep", "capture_with_fallback", "capture", "capture_programs", "graph_limit",
-           "release_cublas_workspaces", "static_batch"]
+           "release_cublas_workspaces"]
 
 
 class CapturingStep(Protocol):
@@ -479,7 +479,7 @@ def capture_programs(step: CapturingStep, inputs: tuple, targets: Any, streams: 
         for p in optimized:
             p.grad = None
     runner.release_old_pool()
-    static_inputs, static_targets = static_batch(step, inputs, targets)
+    static_inputs, static_targets = _copy_static_batch(step, inputs, targets)
     try:
         bodies = []
         with runner.side_stream():
@@ -518,7 +518,7 @@ def capture_programs(step: CapturingStep, inputs: tuple, targets: Any, streams: 
     return captured
 
 
-def static_batch(step: CapturingStep, inputs: tuple, targets: Any) -> tuple[tuple, Any]:
+def _copy_static_batch(step: CapturingStep, inputs: tuple, targets: Any) -> tuple[tuple, Any]:
     """Return copies of the batch for the graphs to read, each in a block of its own.
 
     The static batch and the cuBLAS workspaces (32 MiB a stream and thread,
